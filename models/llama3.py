@@ -1,0 +1,212 @@
+"""Llama 3 decoder as plain nn.Modules.
+
+Module and attribute names match torchtitan exactly so that tensor-parallel plans, FQN filters
+and checkpoints written for torchtitan apply unchanged. No distributed code lives here.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.args import ModelArgs, ffn_hidden_dim
+
+
+def _apply_rope_scaling(freqs: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1 scaling: keep high frequencies, divide low ones by 8, interpolate in between."""
+    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8.0, 1.0, 4.0, 8192
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = (1 - smooth) * freqs / scale_factor + smooth * freqs
+    out = torch.where(wavelen > low_freq_wavelen, freqs / scale_factor, mid)
+    return torch.where(wavelen < high_freq_wavelen, freqs, out)
+
+
+def precompute_freqs_cis(
+    dim: int, end: int, theta: float = 10000.0, scaling: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
+    """Complex RoPE table of shape (end, dim // 2): entry [t, i] = exp(1j * t * theta**(-2i/dim))."""
+    # float32 explicitly: a bf16 default dtype would wreck the angles at large positions.
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
+    if scaling:
+        freqs = _apply_rope_scaling(freqs)
+    t = torch.arange(end, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k, each (bs, seqlen, heads, head_dim), by the first seqlen rows of freqs_cis."""
+    # Slicing here (not in Transformer.forward) keeps the full buffer visible to context parallelism.
+    seqlen = xq.shape[1]
+    freqs_cis = freqs_cis[:seqlen].view(1, seqlen, 1, -1)
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(bs, seqlen, n_kv_heads, head_dim) -> (bs, seqlen, n_kv_heads * n_rep, head_dim)."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv_heads, head_dim = x.shape
+    # expand is a view; reshape copies once. Each kv head serves n_rep consecutive query heads.
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+    )
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        """Input projections std 0.02; the residual-facing wo uses the depth-scaled init_std."""
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+        bs, seqlen, _ = x.shape
+        # -1 for the head count: under tensor parallelism each rank holds only its local heads.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        keys = repeat_kv(xk, self.n_rep)
+        values = repeat_kv(xv, self.n_rep)
+        # SDPA wants (bs, heads, seqlen, head_dim).
+        out = F.scaled_dot_product_attention(
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        """w1 std 0.02; w2 and w3 use init_std (torchtitan's choice, w3 included)."""
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., dim) -> (..., dim)."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Deeper layers' residual outputs start smaller so the residual stream variance stays bounded.
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def init_weights(self) -> None:
+        """Re-initialise all parameters of the block in place."""
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder. tok_embeddings, norm and output may be set to None by pipeline splitting."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer) before building")
+        if args.dim % args.n_heads != 0:
+            raise ValueError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
+        if args.n_kv_heads is not None and args.n_heads % args.n_kv_heads != 0:
+            raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
+        self.model_args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # ModuleDict keyed by layer id (not ModuleList) so FQNs survive pipeline stages dropping layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from args, so it is neither checkpointed nor sharded.
+        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+
+    def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
+        args = self.model_args
+        return precompute_freqs_cis(
+            args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_scaling, device
+        )
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter in place (works on DTensors) and recompute freqs_cis.
+
+        Call after ``to_empty``: a meta-built model holds no values, including the RoPE buffer.
+        """
+        if buffer_device is None:
+            ref = self.tok_embeddings.weight if self.tok_embeddings is not None else self.freqs_cis
+            buffer_device = ref.device
+        self.freqs_cis = self._precompute_freqs_cis(torch.device(buffer_device))
+        std = self.model_args.dim**-0.5
+        tie = self.model_args.tie_word_embeddings
+        emb, out = self.tok_embeddings, self.output
+        if tie and emb is not None and out is not None and out.weight is not emb.weight:
+            # to_empty() allocates each module's parameters separately, which silently unties them.
+            out.weight = emb.weight
+        if emb is not None:
+            if tie:  # a tied table gets the output init: std 1.0 would make the initial logits huge
+                nn.init.trunc_normal_(emb.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            else:
+                nn.init.normal_(emb.weight)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if out is not None and (emb is None or out.weight is not emb.weight):
+            nn.init.trunc_normal_(out.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
+        whichever of tok_embeddings / norm / output a pipeline stage has removed."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,129 @@
+"""Config manager: precedence, CLI syntaxes, strict types, and one-line exit-2 errors for user mistakes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, JobConfig, format_help, parse_args, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def test_precedence_defaults_toml_cli() -> None:
+    assert JobConfig().training.steps == 10000
+    cfg = parse_args(["--job.config_file", DEBUG])
+    assert cfg.training.steps == 10 and cfg.optimizer.lr == 8e-4 and cfg.lr_scheduler.warmup_steps == 2
+    cfg = parse_args(["--job.config_file", DEBUG, "--training.steps", "7", "--optimizer.lr=1e-3"])
+    assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-3
+
+
+def test_cli_syntaxes() -> None:
+    cfg = parse_args(
+        [
+            "--float8.enable_float8_linear",
+            "--float8.recipe_name",
+            "rowwise",
+            "--training.compile=true",
+            "--float8.filter_fqns",
+            "output,w2",
+            "--float8.no-emulate",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
+    assert cfg.float8.enable_float8_linear and cfg.float8.recipe_name == "rowwise"
+    assert cfg.training.compile is True
+    assert cfg.float8.filter_fqns == ["output", "w2"]
+    assert cfg.float8.emulate is False and cfg.metrics.enable_tensorboard is False
+    cfg = parse_args(["--training.compile", "--training.no-compile"])  # last one wins
+    assert cfg.training.compile is False
+
+
+def test_optional_fields_accept_none() -> None:
+    cfg = parse_args(["--lr_scheduler.decay_ratio", "0.8", "--training.seed", "none"])
+    assert cfg.lr_scheduler.decay_ratio == 0.8 and cfg.training.seed is None
+
+
+def test_every_key_has_help_and_print_config_round_trips(tmp_path: Path) -> None:
+    text = format_help()
+    assert "--float8.recipe_name {tensorwise,rowwise,rowwise_with_gw_hp}" in text
+    cfg = parse_args(["--training.steps", "3", "--float8.recipe_name", "rowwise"])
+    out = tmp_path / "merged.toml"
+    out.write_text(to_toml(cfg))
+    again = parse_args(["--job.config_file", str(out)])
+    assert again.to_dict() | {"job": {}} == cfg.to_dict() | {"job": {}}
+
+
+# Ten (and more) kinds of bad input: each exits 2 before anything heavy, with one line naming the problem.
+BAD_INPUTS = [
+    (["--trainig.steps", "3"], "unknown section 'trainig'; did you mean 'training'?"),
+    (["--training.stpes", "3"], "unknown key 'training.stpes'; did you mean 'training.steps'?"),
+    (["--training.steps", "ten"], "--training.steps: expected an integer, got 'ten'"),
+    (["--optimizer.lr", "fast"], "--optimizer.lr: expected a number, got 'fast'"),
+    (["--training.compile", "maybe"], "--training.compile: expected true or false, got 'maybe'"),
+    (["--float8.recipe_name", "rowwize"], "'rowwize' is not a valid choice; choose from tensorwise, rowwise"),
+    (["--activation_checkpoint.mode", "some"], "'some' is not a valid choice; choose from none, selective, full"),
+    (["--job.config_file", "missing.toml"], "config file not found: missing.toml"),
+    (["--model.tokenizer_path", "/nonexistent/tokenizer.model"], "model.tokenizer_path: file not found"),
+    (["--training.dataset_path", "/nonexistent/data.jsonl"], "training.dataset_path: not found: /nonexistent"),
+    (["--training.local_batch_size", "0"], "training.local_batch_size must be > 0"),
+    (["--activation_checkpoint.selective_ac_option", "x"], "selective_ac_option must be 'op' or a positive"),
+    (["--training.seq_len"], "--training.seq_len: needs a value"),
+    (["training.steps"], "unexpected argument 'training.steps'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS)
+def test_bad_input_raises_config_error(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as e:
+        parse_args(argv)
+    assert message in str(e.value)
+
+
+def _run_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_malformed_toml_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[training]\nsteps = 3\nseq_len = "\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: malformed TOML: .*line 3"):
+        parse_args(["--job.config_file", str(bad)])
+
+
+def test_toml_wrong_type_and_unknown_key_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "c.toml"
+    bad.write_text('[training]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"c.toml: training.steps: expected an integer, got 'ten'"):
+        parse_args(["--job.config_file", str(bad)])
+    bad.write_text("[float8]\nrecipe = 'rowwise'\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'float8.recipe'; did you mean 'float8.recipe_name'"):
+        parse_args(["--job.config_file", str(bad)])
+
+
+@pytest.mark.parametrize("argv,message", [BAD_INPUTS[0], BAD_INPUTS[2], BAD_INPUTS[7], BAD_INPUTS[8]])
+def test_entry_point_exits_2_with_one_line(argv: list[str], message: str) -> None:
+    proc = _run_train(*argv)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error: ") and message in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_garbage_tokenizer_file_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.model"
+    bad.write_text("this is not a tiktoken file\n")
+    proc = _run_train("--job.config_file", DEBUG, "--model.tokenizer_path", str(bad))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("kiln: error: model.tokenizer_path")
+    assert str(bad) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_config_import_is_light() -> None:
+    code = "import sys, trainer.config; assert 'torch' not in sys.modules, 'config imports torch'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

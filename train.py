@@ -1,0 +1,39 @@
+"""kiln entry point: `python train.py --job.config_file X --section.key value` or the same under torchrun."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def _setup_logging() -> None:
+    # torchrun (run_train.sh) prefixes each line with the rank itself.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import ConfigError, parse_args, to_toml
+
+    _setup_logging()
+    try:
+        cfg = parse_args(argv)
+        if cfg.job.print_config:
+            print(to_toml(cfg))
+            return 0
+        from trainer.train import Trainer  # heavy imports only once the config is known to be good
+
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""kiln's configuration: one dataclass per TOML section, merged as defaults < TOML file < CLI.
+
+Section and key names follow torchtitan so its users' TOML files read the same. Every value, from the
+file or the command line, is converted strictly to the field's type; any user mistake raises ConfigError,
+which the entry point prints as one line and exits with status 2 before anything heavy is built.
+
+This module imports only the standard library so config handling stays instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration; reported as one line, exit status 2."""
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field carrying its help text (and allowed values) for --help and validation."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class Job:
+    config_file: str | None = _f(None, "TOML file to read; CLI flags override its values.")
+    dump_folder: str = _f("./outputs", "Folder for checkpoints, traces and TensorBoard logs.")
+    description: str = _f("kiln job", "Free-text description printed at start-up.")
+    print_config: bool = _f(False, "Print the merged configuration as TOML and exit.")
+    dry_run: bool = _f(False, "Build on the meta device, print the plan (params, FLOPs, mesh, float8) and exit.")
+
+
+@dataclass
+class Model:
+    name: str = _f("llama3", "Model family.", ("llama3",))
+    flavor: str = _f("debugmodel", "Model size.", ("debugmodel", "8B", "70B", "405B"))
+    tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("AdamW", "Optimizer.", ("AdamW", "Adam"))
+    lr: float = _f(8e-4, "Peak learning rate.")
+    beta1: float = _f(0.9, "Adam beta1.")
+    beta2: float = _f(0.95, "Adam beta2.")
+    eps: float = _f(1e-8, "Adam epsilon.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay.")
+    implementation: str = _f(
+        "fused",
+        "Kernel: fused (one kernel, CUDA/CPU), foreach (batched), for-loop.",
+        ("fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.")
+    decay_ratio: float | None = _f(
+        None, "Fraction of steps spent decaying at the end (WSD); unset decays over all post-warmup steps."
+    )
+    decay_type: str = _f("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
+    min_lr_factor: float = _f(0.0, "Final learning rate as a fraction of optimizer.lr.")
+
+
+@dataclass
+class Training:
+    dataset: str = _f("kiln_corpus", "Registered dataset name (kiln_corpus, c4, c4_test).")
+    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides the registry path.")
+    local_batch_size: int = _f(8, "Sequences per device per micro-batch.")
+    global_batch_size: int = _f(
+        -1,
+        "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
+        "A multiple of that product gives gradient accumulation.",
+    )
+    seq_len: int = _f(2048, "Tokens per sequence.")
+    steps: int = _f(10000, "Optimizer steps to train.")
+    max_norm: float = _f(1.0, "Gradient-norm clipping threshold (<= 0 disables clipping).")
+    mixed_precision_param: str = _f(
+        "bfloat16",
+        "Compute dtype of parameters in forward/backward (FSDP param_dtype, autocast otherwise); "
+        "master weights and optimizer state stay float32.",
+        DTYPES,
+    )
+    mixed_precision_reduce: str = _f("float32", "Gradient reduction dtype under FSDP.", DTYPES)
+    compile: bool = _f(False, "torch.compile each transformer block.")
+    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (automatic GC is disabled).")
+    seed: int | None = _f(None, "Random seed; same seed, same data order and init.")
+    deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _f(1, "DDP/HSDP replicas (across nodes).")
+    data_parallel_shard_degree: int = _f(-1, "FSDP shards; -1 = what remains of the world size.")
+    fsdp_reshard_after_forward: str = _f(
+        "default",
+        "Free unsharded params after forward: default (yes, except the root), always, never.",
+        ("default", "always", "never"),
+    )
+    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree (within a node).")
+    disable_loss_parallel: bool = _f(False, "Gather logits before the loss instead of a vocab-parallel loss.")
+    enable_async_tensor_parallel: bool = _f(False, "Async TP (CUDA + compile only).")
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = _f(False, "Save and resume DCP checkpoints.")
+    folder: str = _f("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    interval: int = _f(500, "Save every N steps (and at the last step).")
+    keep_latest_k: int = _f(0, "Keep only the newest K checkpoints (0 = keep all; never deletes the only good one).")
+    async_mode: str = _f("disabled", "Save in the background.", ("disabled", "async", "async_with_pinned_mem"))
+    load_step: int = _f(-1, "Load this step instead of the latest (-1 = latest).")
+    model_weights_only: bool = _f(False, "Save only model weights (no optimizer/data state).")
+    export_dtype: str = _f("float32", "dtype of weights-only saves.", ("float32", "bfloat16", "float16"))
+    last_save_model_weights_only: bool = _f(False, "Make the final save weights-only, in export_dtype.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("selective", "Recompute activations in backward.", ("none", "selective", "full"))
+    selective_ac_option: str = _f("2", "With mode=selective: 'op' for per-op SAC, or N to checkpoint every Nth block.")
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = _f(False, "Swap nn.Linear for torchao Float8Linear.")
+    recipe_name: str | None = _f(
+        None,
+        "torchao recipe; unset = tensorwise with the flags below.",
+        ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    enable_fsdp_float8_all_gather: bool = _f(False, "FSDP2 all-gathers weights in float8 (tensorwise only).")
+    precompute_float8_dynamic_scale_for_fsdp: bool = _f(
+        False, "One all-reduce of all weight amaxes after the optimizer step (needs float8 all-gather)."
+    )
+    filter_fqns: list[str] = _f(["output"], "Linears whose name contains one of these stay high precision.")
+    emulate: bool = _f(False, "Emulate float8 matmuls (CPU tests, GPUs below SM 8.9).")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, "Log metrics every N steps.")
+    enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
+    save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
+    save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
+    disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
+    peak_tflops: float | None = _f(None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _f(False, "Capture torch profiler traces.")
+    save_traces_folder: str = _f("profile_traces", "Trace folder, relative to job.dump_folder.")
+    profile_freq: int = _f(10, "Capture a trace every N steps.")
+    enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
+    save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _f(300, "Timeout for process-group initialisation and the first step.")
+    train_timeout_seconds: int = _f(100, "Collective timeout after the first step.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- value conversion
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _section_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Convert a TOML or CLI value to type `tp`, strictly: "ten" is not an int, 1.5 is not an int."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(value, inner, where)
+    if origin is list:
+        (inner,) = args
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_convert(v, inner, where) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config type {tp} at {where}")
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
+
+
+def _lookup(cfg: JobConfig, section: str, key: str, where: str) -> tuple[Any, Any]:
+    """Return (section object, field type) for section.key, or raise with the closest valid name."""
+    sections = [f.name for f in fields(JobConfig)]
+    if section not in sections:
+        raise ConfigError(f"{where}: unknown section '{section}'{_suggest(section, sections)}")
+    obj = getattr(cfg, section)
+    hints = _section_types(type(obj))
+    if key not in hints:
+        full = [f"{section}.{k}" for k in hints]
+        raise ConfigError(f"{where}: unknown key '{section}.{key}'{_suggest(f'{section}.{key}', full)}")
+    return obj, hints[key]
+
+
+def _set(cfg: JobConfig, section: str, key: str, raw: Any, where: str) -> None:
+    obj, tp = _lookup(cfg, section, key, where)
+    value = _convert(raw, tp, where)
+    choices = next(f.metadata.get("choices") for f in fields(obj) if f.name == key)
+    if choices and value is not None and value not in choices:
+        raise ConfigError(f"{where}: '{value}' is not a valid choice; choose from {', '.join(choices)}")
+    setattr(obj, key, value)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:  # message already carries "(at line N, column M)"
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
+    """Split argv into (section, key, raw value) triples.
+
+    Accepts `--s.k v`, `--s.k=v`, bare `--s.flag` (true) and `--s.no-flag` / `--s.no_flag` (false).
+    Whether a bare flag is boolean is decided later, against the field's type.
+    """
+    out: list[tuple[str, str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}'; use --section.key value (see --help)")
+        name, eq, val = arg[2:].partition("=")
+        section, _, key = name.partition(".")
+        i += 1
+        if not eq:
+            if i < len(argv) and not argv[i].startswith("--"):
+                val = argv[i]
+                i += 1
+            else:
+                val = None  # bare flag: resolved against the field type below
+        out.append((section, key.replace("-", "_") if key.startswith("no-") else key, val))
+    return out
+
+
+def _apply_cli(cfg: JobConfig, items: list[tuple[str, str, Any]]) -> None:
+    for section, key, val in items:
+        where = f"--{section}.{key}"
+        negated = val is None and key.startswith("no_")
+        if negated:
+            key = key[3:]
+        if val is None:
+            obj, tp = _lookup(cfg, section, key, where)
+            if tp is not bool:
+                raise ConfigError(f"--{section}.{key}: needs a value")
+            val = not negated
+        _set(cfg, section, key, val, f"--{section}.{key}")
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig: dataclass defaults < TOML file (--job.config_file) < CLI overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(format_help())
+        raise SystemExit(0)
+    items = _parse_cli(argv)
+    cfg = JobConfig()
+    config_file = next((v for s, k, v in items if (s, k) == ("job", "config_file")), None)
+    if config_file:
+        for section, values in _load_toml(config_file).items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{config_file}: '{section}' must be a [section] table")
+            for key, raw in values.items():
+                _set(cfg, section, key, raw, f"{config_file}: {section}.{key}")
+    _apply_cli(cfg, items)
+    validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need only the config itself (files, ranges, combinations); no torch here."""
+    t = cfg.training
+    _check(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
+    _check(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
+    _check(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
+    _check(t.gc_freq > 0, f"training.gc_freq must be > 0, got {t.gc_freq}")
+    _check(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
+    _check(cfg.optimizer.lr > 0, f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    _check(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
+    dr = cfg.lr_scheduler.decay_ratio
+    _check(dr is None or 0.0 <= dr <= 1.0, f"lr_scheduler.decay_ratio must be in [0, 1], got {dr}")
+    _check(0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor must be in [0, 1]")
+    opt = cfg.activation_checkpoint.selective_ac_option
+    _check(
+        opt == "op" or (opt.isdigit() and int(opt) > 0),
+        f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
+    )
+    p = cfg.parallelism
+    _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree must be >= 1")
+    _check(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        "parallelism.data_parallel_shard_degree must be -1 or >= 1",
+    )
+    _check(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree must be >= 1")
+    if cfg.metrics.peak_tflops is not None:
+        _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0")
+    if not cfg.job.dry_run and not cfg.job.print_config:
+        _check(
+            os.path.isfile(cfg.model.tokenizer_path),
+            f"model.tokenizer_path: file not found: {cfg.model.tokenizer_path} "
+            "(point it at a tiktoken BPE file such as Llama3's tokenizer.model)",
+        )
+        if t.dataset_path is not None:
+            _check(
+                os.path.exists(t.dataset_path),
+                f"training.dataset_path: not found: {t.dataset_path} (a jsonl/json/parquet/txt file or folder)",
+            )
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The merged config as TOML (keys set to None are written as comments: TOML has no null)."""
+    lines: list[str] = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"# {k} = (unset)" if v is None else f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_help() -> str:
+    lines = [
+        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...]",
+        "",
+        "Precedence: defaults < TOML file < command line. Booleans: --s.flag, --s.no-flag, --s.flag=false.",
+        "Lists: comma-separated (--float8.filter_fqns output,w2).",
+    ]
+    for sf in fields(JobConfig):
+        lines.append(f"\n[{sf.name}]")
+        for f in fields(sf.default_factory()):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            extra = f" {{{','.join(choices)}}}" if choices else ""
+            lines.append(f"  --{sf.name}.{f.name}{extra}  (default: {default})\n      {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Text datasets streamed with HF `datasets`, tokenized and packed into seq_len+1 windows, per DP rank.
+
+The loader is stateful: `state_dict()` holds the dataset's position and the partly used token buffer, so a
+resumed run sees exactly the tokens the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError, Training
+from trainer.tokenizer import Tokenizer
+
+logger = logging.getLogger("kiln")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    path: str  # local file/folder, or a hub dataset id when `hub` is set
+    hub_config: str | None = None
+    hub: bool = False
+    text_key: str = "text"
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "kiln_corpus": DatasetSpec(os.path.join(REPO_ROOT, "assets", "corpus", "kiln_corpus.jsonl")),
+    "c4": DatasetSpec("allenai/c4", hub_config="en", hub=True),
+}
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def _local_files(path: str) -> tuple[str, list[str]]:
+    """The `datasets` builder name and the data files for a local file or folder."""
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(root, f)
+            for root, _, names in os.walk(path)
+            for f in names
+            if os.path.splitext(f)[1] in _FORMATS
+        )
+    else:
+        files = [path]
+    if not files:
+        raise ConfigError(f"training.dataset_path: no .jsonl/.json/.parquet/.txt files under {path}")
+    kinds = {_FORMATS.get(os.path.splitext(f)[1]) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(
+            f"training.dataset_path: {path} must hold files of one format: .jsonl, .json, .parquet or .txt"
+        )
+    return kinds.pop(), files
+
+
+def load_text_dataset(name: str, path: str | None):
+    """A streaming HF IterableDataset for a registered name or a local path."""
+    import datasets  # lazy: heavy import
+
+    if path is None:
+        if name not in DATASETS:
+            raise ConfigError(
+                f"training.dataset: unknown dataset '{name}'; registered: {', '.join(DATASETS)} "
+                "(or set training.dataset_path)"
+            )
+        spec = DATASETS[name]
+        if spec.hub:
+            return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True)
+        path = spec.path
+    builder, files = _local_files(path)
+    return datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+
+
+class TokenWindows:
+    """Iterates token windows of length seq_len+1 from one DP rank's share of a text dataset.
+
+    Documents are encoded with bos and eos and concatenated, so windows cross document boundaries
+    (standard pretraining packing). When the data runs out it warns and starts over.
+    """
+
+    def __init__(
+        self, hf_dataset: Any, tokenizer: Tokenizer, seq_len: int, dp_rank: int, dp_degree: int, text_key: str = "text"
+    ) -> None:
+        from datasets.distributed import split_dataset_by_node
+
+        self.data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_degree)
+        self.tokenizer = tokenizer
+        self.window = seq_len + 1
+        self.text_key = text_key
+        self.buffer: list[int] = []
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            produced = False
+            for sample in self.data:
+                self.buffer.extend(self.tokenizer.encode(sample[self.text_key], bos=True, eos=True))
+                while len(self.buffer) >= self.window:
+                    produced = True
+                    window, self.buffer = self.buffer[: self.window], self.buffer[self.window :]
+                    yield window
+            if not produced and self.epoch > 0:
+                raise ConfigError("training dataset is too small to fill one sequence of training.seq_len tokens")
+            self.epoch += 1
+            logger.warning(f"dataset exhausted; re-looping (epoch {self.epoch})")
+            self.data.set_epoch(self.epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state["data"])
+        self.buffer = list(state["buffer"])
+        self.epoch = state["epoch"]
+        self.data.set_epoch(self.epoch)
+
+
+class DataLoader:
+    """Batches windows into (inputs, labels) LongTensors of shape [local_batch_size, seq_len]."""
+
+    def __init__(self, windows: TokenWindows, batch_size: int) -> None:
+        self.windows = windows
+        self.batch_size = batch_size
+        self._it: Iterator[list[int]] | None = None
+
+    def __iter__(self) -> DataLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._it is None:
+            self._it = iter(self.windows)
+        batch = torch.tensor([next(self._it) for _ in range(self.batch_size)], dtype=torch.long)
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.windows.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.windows.load_state_dict(state)
+        self._it = None
+
+
+def build_dataloader(cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> DataLoader:
+    hf = load_text_dataset(cfg.dataset, cfg.dataset_path)
+    text_key = DATASETS[cfg.dataset].text_key if cfg.dataset in DATASETS else "text"
+    return DataLoader(TokenWindows(hf, tokenizer, cfg.seq_len, dp_rank, dp_degree, text_key), cfg.local_batch_size)

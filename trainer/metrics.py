@@ -1,0 +1,181 @@
+"""Step metrics: loss, memory, tokens/s per device, MFU, grad norm, lr — in torchtitan's log-line shape.
+
+    step: 10  loss:  7.1234  memory:  1.23GiB(4.56%)  tps: 12,345  mfu: 12.34%  grad_norm: ...
+
+memory is the peak reserved device memory since the last log line and its share of capacity; on CPU it
+is the process's peak RSS and its share of system RAM (said once at start-up). MFU is measured against
+the *bf16 dense* peak even for float8 runs, so float8 and bf16 runs compare on one scale (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import Metrics
+
+logger = logging.getLogger("kiln")
+
+# Dense peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
+# (name substring as reported by torch.cuda.get_device_name, bf16 peak, float8 peak or None).
+PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
+    ("A100", 312.0, None),
+    ("H100 NVL", 835.0, 1671.0),
+    ("H100 PCIe", 756.0, 1513.0),
+    ("H100", 989.0, 1979.0),  # SXM; after the PCIe/NVL entries so those match first
+    ("H200", 989.0, 1979.0),
+    ("B200", 2250.0, 4500.0),
+    ("MI300X", 1307.0, 2615.0),
+    ("MI325X", 1307.0, 2615.0),
+]
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    bf16: float | None  # FLOP/s; None = unknown, MFU is printed as n/a
+    float8: float | None
+    source: str
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> PeakFlops:
+    """bf16 (and float8) dense peak for `device`; a config override wins, CPU without one is unknown."""
+    if override_tflops is not None:
+        return PeakFlops(override_tflops * 1e12, 2 * override_tflops * 1e12, "metrics.peak_tflops")
+    if device.type != "cuda":
+        return PeakFlops(None, None, f"no peak known for {device.type}; set metrics.peak_tflops")
+    name = torch.cuda.get_device_name(device)
+    for key, bf16, fp8 in PEAK_TFLOPS:
+        if key in name:
+            return PeakFlops(bf16 * 1e12, fp8 * 1e12 if fp8 else None, name)
+    return PeakFlops(None, None, f"unknown GPU '{name}'; set metrics.peak_tflops")
+
+
+class MemoryMonitor:
+    """Peak device memory since the last reset: reserved bytes on CUDA, process RSS on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.capacity = torch.cuda.get_device_properties(device).total_memory
+            self.kind = "peak reserved CUDA memory / device capacity"
+        else:
+            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            self.kind = "peak RSS of this process / system RAM (CPU run)"
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_reserved(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def format_step_line(
+    step: int,
+    loss: float,
+    mem_gib: float,
+    mem_pct: float,
+    tps: float,
+    mfu: float | None,
+    grad_norm: float,
+    lr: float,
+    extra: str = "",
+) -> str:
+    mfu_s = "n/a" if mfu is None else f"{mfu:.2f}%"
+    return (
+        f"step: {step:2}  loss: {loss:7.4f}  memory: {mem_gib:5.2f}GiB({mem_pct:.2f}%)  "
+        f"tps: {round(tps):,}  mfu: {mfu_s}  grad_norm: {grad_norm:7.4f}  lr: {lr:.4e}{extra}"
+    )
+
+
+class MetricsLogger:
+    """Accumulates tokens and timings between log steps and prints one line per log step.
+
+    Reading the loss forces a host-device sync, so it only happens on log steps.
+    """
+
+    def __init__(
+        self,
+        cfg: Metrics,
+        device: torch.device,
+        flops_per_token: int,
+        tb_dir: str | None,
+        is_logging_rank: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(device, cfg.peak_tflops)
+        self.memory = MemoryMonitor(device)
+        self.is_logging_rank = is_logging_rank
+        self.tokens = 0
+        self.data_time = 0.0
+        self._steps_since_log = 0
+        self.t_last = time.perf_counter()
+        self.writer = None
+        if tb_dir is not None and cfg.enable_tensorboard and (is_logging_rank or cfg.save_for_all_ranks):
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import
+
+            self.writer = SummaryWriter(tb_dir)
+        if is_logging_rank:
+            logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source})")
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.log_freq == 0
+
+    def log(self, step: int, total_steps: int, loss: float, grad_norm: float, lr: float) -> dict[str, float]:
+        """Log one line (on the logging rank) and return the metrics; resets the interval counters."""
+        now = time.perf_counter()
+        elapsed = max(now - self.t_last, 1e-9)
+        tps = self.tokens / elapsed
+        mfu = None if self.peak.bf16 is None else 100.0 * tps * self.flops_per_token / self.peak.bf16
+        peak = self.memory.peak_bytes()
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
+            "memory_gib": peak / 2**30,
+            "memory_pct": 100.0 * peak / self.memory.capacity,
+            "tflops": tps * self.flops_per_token / 1e12,
+            "data_loading_pct": 100.0 * self.data_time / elapsed,
+        }
+        if mfu is not None:
+            metrics["mfu"] = mfu
+        if self.is_logging_rank:
+            steps_per_s = self._steps_since_log / elapsed if self._steps_since_log else 0.0
+            eta = (total_steps - step) / steps_per_s if steps_per_s else 0.0
+            extra = f"  data: {metrics['data_loading_pct']:.1f}%  eta: {_hms(eta)}"
+            logger.info(
+                format_step_line(
+                    step, loss, metrics["memory_gib"], metrics["memory_pct"], tps, mfu, grad_norm, lr, extra
+                )
+            )
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(f"kiln/{k}", v, step)
+        self.tokens, self.data_time, self._steps_since_log = 0, 0.0, 0
+        self.memory.reset()
+        self.t_last = time.perf_counter()
+        return metrics
+
+    def count_step(self, tokens: int, data_time: float) -> None:
+        self.tokens += tokens
+        self.data_time += data_time
+        self._steps_since_log += 1
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"
