@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
+    except ConfigError as e:  # e.g. a malformed record met mid-run in training.dataset_path
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     return 0

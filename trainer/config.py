@@ -81,7 +81,7 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: str = _f("kiln_corpus", "Registered dataset name (kiln_corpus, c4, c4_test).")
+    dataset: str = _f("kiln_corpus", "Registered dataset name (kiln_corpus, c4).")
     dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides the registry path.")
     local_batch_size: int = _f(8, "Sequences per device per micro-batch.")
     global_batch_size: int = _f(
@@ -385,6 +385,10 @@ def validate(cfg: JobConfig) -> None:
         "parallelism.data_parallel_shard_degree must be -1 or >= 1",
     )
     _check(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree must be >= 1")
+    c = cfg.checkpoint
+    _check(c.interval > 0, f"checkpoint.interval must be > 0, got {c.interval}")
+    _check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 = keep all), got {c.keep_latest_k}")
+    _check(c.load_step >= -1, f"checkpoint.load_step must be -1 (latest) or a step, got {c.load_step}")
     if cfg.metrics.peak_tflops is not None:
         _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0")
     if not cfg.job.dry_run and not cfg.job.print_config:

@@ -6,8 +6,10 @@ resumed run sees exactly the tokens the uninterrupted run would have.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +58,31 @@ def _local_files(path: str) -> tuple[str, list[str]]:
         raise ConfigError(
             f"training.dataset_path: {path} must hold files of one format: .jsonl, .json, .parquet or .txt"
         )
-    return kinds.pop(), files
+    kind = kinds.pop()
+    for f in files:
+        _check_readable(f, kind)
+    return kind, files
+
+
+def _check_readable(path: str, kind: str) -> None:
+    """Fail now, naming the file, rather than mid-run inside a `datasets` worker: open it and parse its head."""
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.read_metadata(path)
+            return
+        with open(path, "rb") as fh:
+            head = fh.readline()
+        if os.path.splitext(path)[1] == ".jsonl" and head.strip():
+            record = json.loads(head)
+            if not isinstance(record, dict) or "text" not in record:
+                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(f"its first record has no 'text' field (has: {keys})")
+        elif kind == "text":
+            head.decode("utf-8")
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError and ArrowInvalid are ValueErrors
+        raise ConfigError(f"training.dataset_path: cannot read {path}: {e}") from None
 
 
 def load_text_dataset(name: str, path: str | None):
@@ -71,7 +97,13 @@ def load_text_dataset(name: str, path: str | None):
             )
         spec = DATASETS[name]
         if spec.hub:
-            return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True)
+            try:
+                return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True)
+            except Exception as e:  # offline, gated, renamed: whatever the hub says, it is not a kiln bug
+                raise ConfigError(
+                    f"training.dataset {name}: cannot open {spec.path} on the Hugging Face hub ({e}); "
+                    "use training.dataset_path for local data"
+                ) from None
         path = spec.path
     builder, files = _local_files(path)
     return datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
@@ -85,22 +117,31 @@ class TokenWindows:
     """
 
     def __init__(
-        self, hf_dataset: Any, tokenizer: Tokenizer, seq_len: int, dp_rank: int, dp_degree: int, text_key: str = "text"
+        self,
+        hf_dataset: Any,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        dp_rank: int,
+        dp_degree: int,
+        text_key: str = "text",
+        source: str = "training dataset",
     ) -> None:
         from datasets.distributed import split_dataset_by_node
 
         self.data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_degree)
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.tokenizer = tokenizer
         self.window = seq_len + 1
         self.text_key = text_key
+        self.source = source  # named in errors
         self.buffer: list[int] = []
         self.epoch = 0
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
             produced = False
-            for sample in self.data:
-                self.buffer.extend(self.tokenizer.encode(sample[self.text_key], bos=True, eos=True))
+            for sample in self._samples():
+                self.buffer.extend(self.tokenizer.encode(sample, bos=True, eos=True))
                 while len(self.buffer) >= self.window:
                     produced = True
                     window, self.buffer = self.buffer[: self.window], self.buffer[self.window :]
@@ -110,6 +151,20 @@ class TokenWindows:
             self.epoch += 1
             logger.warning(f"dataset exhausted; re-looping (epoch {self.epoch})")
             self.data.set_epoch(self.epoch)
+
+    def _samples(self) -> Iterator[str]:
+        """The text of each record; a malformed file is a user error that names the dataset."""
+        it = iter(self.data)
+        while True:
+            try:
+                sample = next(it)
+            except StopIteration:
+                return
+            except ValueError as e:  # pyarrow's ArrowInvalid (bad JSON/parquet) is a ValueError
+                raise ConfigError(f"{self.source}: cannot read: {e}") from None
+            if self.text_key not in sample:
+                raise ConfigError(f"{self.source}: record has no '{self.text_key}' field (has: {', '.join(sample)})")
+            yield sample[self.text_key]
 
     def state_dict(self) -> dict[str, Any]:
         return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
@@ -126,6 +181,9 @@ class DataLoader:
 
     def __init__(self, windows: TokenWindows, batch_size: int) -> None:
         self.windows = windows
+        # Each DP rank reads its own shard, so each saves its own position under its own key (as torchtitan):
+        # a checkpoint then holds dp_rank_0 .. dp_rank_{D-1} and resumes only under the same DP degree.
+        self.state_key = f"dp_rank_{windows.dp_rank}"
         self.batch_size = batch_size
         self._it: Iterator[list[int]] | None = None
 
@@ -138,15 +196,22 @@ class DataLoader:
         batch = torch.tensor([next(self._it) for _ in range(self.batch_size)], dtype=torch.long)
         return batch[:, :-1], batch[:, 1:]
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.windows.state_dict()
+    def state_dict(self) -> dict[str, bytes]:
+        """{dp_rank_R: pickled position}: bytes, so DCP stores it as one opaque item per rank."""
+        return {self.state_key: pickle.dumps(self.windows.state_dict())}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.windows.load_state_dict(state)
+    def load_state_dict(self, state: dict[str, bytes]) -> None:
+        if self.state_key not in state:
+            raise ConfigError(
+                f"checkpoint has no data-loader state for {self.state_key} (saved with another data-parallel degree)"
+            )
+        self.windows.load_state_dict(pickle.loads(state[self.state_key]))
         self._it = None
 
 
 def build_dataloader(cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> DataLoader:
     hf = load_text_dataset(cfg.dataset, cfg.dataset_path)
     text_key = DATASETS[cfg.dataset].text_key if cfg.dataset in DATASETS else "text"
-    return DataLoader(TokenWindows(hf, tokenizer, cfg.seq_len, dp_rank, dp_degree, text_key), cfg.local_batch_size)
+    source = f"training.dataset_path {cfg.dataset_path}" if cfg.dataset_path else f"training.dataset {cfg.dataset}"
+    windows = TokenWindows(hf, tokenizer, cfg.seq_len, dp_rank, dp_degree, text_key, source)
+    return DataLoader(windows, cfg.local_batch_size)
