@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -68,8 +69,10 @@ def plain_tensor(t: Any) -> Any:
     """A tensor with torchao's float8 weight wrapper removed (same storage), anything else unchanged.
 
     Under FSDP float8 all-gather the sharded weights are WeightWithDynamicFloat8CastTensor (inside a DTensor).
-    DCP loads tensors with torch.load(weights_only=True), which rejects such subclasses, and a checkpoint
-    should not depend on torchao's classes anyway: so saves hold the plain high-precision tensor inside.
+    Saved as such, every load would need torchao imported first (DCP loads tensors with
+    torch.load(weights_only=True), which accepts the class only once torchao registers it as a safe global):
+    a bf16 run or scripts/convert_hf.py could not read a float8 run's checkpoint. So saves hold the plain
+    high-precision tensor inside.
     In-place loads into the unwrapped tensor write the wrapped parameter's storage.
     """
     if isinstance(t, DTensor):
@@ -107,7 +110,9 @@ def is_model_key(key: str) -> bool:
     return key.split(".", 1)[0] not in (OPTIMIZER, "lr_scheduler", DATALOADER, TRAIN_STATE)
 
 
-def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: bool) -> None:
+def check_matches(
+    path: str, ours: dict[str, Any], md: Metadata, weights_only: bool, dp_degree: int | None = None
+) -> None:
     """Raise ConfigError if checkpoint `path` cannot fill state dict `ours`: other model shape or DP layout."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -133,15 +138,17 @@ def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: b
         raise ConfigError(f"{where} holds another model: it has '{extra_model[0]}', which this model lacks")
     if weights_only:
         return
-    ours_dp = sorted(k for k in flat if k.startswith(DATALOADER + "."))
-    theirs_dp = sorted(k for k in saved if k.startswith(DATALOADER + "."))
+    # Each rank holds only its own dataloader.dp_rank_R, so the expected set comes from the DP degree.
+    theirs_dp = {k for k in saved if k.startswith(DATALOADER + ".")}
+    ours_dp = {f"{DATALOADER}.dp_rank_{r}" for r in range(dp_degree)} if dp_degree else theirs_dp
     if ours_dp != theirs_dp:
         raise ConfigError(
             f"{where} was saved by {len(theirs_dp)} data-parallel rank(s) and this run has {len(ours_dp)}: "
             "data-loader positions are per rank, so a full checkpoint resumes only under the same "
-            "data-parallel degree (convert it to weights only with scripts/convert_hf.py to start anew)"
+            "data-parallel degree: resume with the parallelism settings it was saved with"
         )
     missing = [k for k in flat if k not in saved]
+    extra = [k for k in extra if not k.startswith(DATALOADER + ".")]
     if missing or extra:
         what = f"has no '{missing[0]}'" if missing else f"has '{extra[0]}', which this run lacks"
         raise ConfigError(f"{where} does not match this run's optimizer/state: it {what}")
@@ -206,7 +213,7 @@ class CheckpointManager:
             "model_weights_only": weights_only,
             "dtype": dtype,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "dp_degree": getattr(getattr(loader, "windows", None), "dp_degree", None),
+            "dp_degree": getattr(loader, "dp_degree", None),
             "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
@@ -260,14 +267,17 @@ class CheckpointManager:
         path = step_dir(self.folder, step)
         t0 = time.perf_counter()
         md = read_metadata(path)
-        weights_only = f"{TRAIN_STATE}.step" not in md.state_dict_metadata
+        weights_only = all(is_model_key(k) for k in md.state_dict_metadata)
         sd = self._state_dict(weights_only)
-        check_matches(path, sd, md, weights_only)
+        check_matches(path, sd, md, weights_only, getattr(self.states.get(DATALOADER), "dp_degree", None))
         try:
             dcp.load(sd, checkpoint_id=path)
-        except Exception as e:  # CheckpointException gathers every rank's failure, so all ranks raise here
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"checkpoint {path} could not be read (corrupt?): {first}") from None
+        except (Exception, CheckpointException) as e:  # gathers every rank's failure: all ranks raise here
+            failures = getattr(e, "failures", None)
+            cause = next(iter(failures.values()))[0] if failures else e
+            raise ConfigError(
+                f"checkpoint {path} could not be read (corrupt?): {type(cause).__name__}: {cause}"
+            ) from None
         model = self.states[MODEL]
         set_model_state_dict(model, {k: v for k, v in sd.items() if is_model_key(k)})
         if not weights_only:
@@ -279,7 +289,7 @@ class CheckpointManager:
         self._remove_stale()
         kind = "model weights only; training starts at step 0" if weights_only else "full state"
         logger.info(f"Loaded checkpoint {path} ({kind}) in {time.perf_counter() - t0:.2f} s")
-        return 0 if weights_only else int(sd[TRAIN_STATE]["step"])
+        return int(sd[TRAIN_STATE]["step"]) if TRAIN_STATE in sd else 0
 
     # ------------------------------------------------------------------ save
 

@@ -184,6 +184,7 @@ class DataLoader:
         # Each DP rank reads its own shard, so each saves its own position under its own key (as torchtitan):
         # a checkpoint then holds dp_rank_0 .. dp_rank_{D-1} and resumes only under the same DP degree.
         self.state_key = f"dp_rank_{windows.dp_rank}"
+        self.dp_degree = windows.dp_degree
         self.batch_size = batch_size
         self._it: Iterator[list[int]] | None = None
 
