@@ -96,3 +96,56 @@ def test_relooping_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
 def test_unknown_dataset_name() -> None:
     with pytest.raises(ConfigError, match="unknown dataset 'c5'; registered: kiln_corpus, c4"):
         build_dataloader(Training(dataset="c5"), TOKENIZER, 0, 1)
+
+
+def test_state_is_keyed_by_dp_rank(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [f"document {i} " + "word " * 30 for i in range(40)])
+    rank1 = loader(path, rank=1, world=2)
+    next(rank1)
+    state = rank1.state_dict()
+    assert list(state) == ["dp_rank_1"] and isinstance(state["dp_rank_1"], bytes)  # one opaque DCP item per rank
+    with pytest.raises(ConfigError, match="no data-loader state for dp_rank_0"):
+        loader(path, rank=0, world=2).load_state_dict(state)
+
+
+def test_unreadable_dataset_files_are_named(tmp_path: Path) -> None:
+    bad_json = tmp_path / "a" / "bad.jsonl"
+    bad_json.parent.mkdir()
+    bad_json.write_text('{"text": "fine"\n')
+    with pytest.raises(ConfigError, match=f"training.dataset_path: cannot read {bad_json}: "):
+        loader(bad_json.parent)
+    no_text = tmp_path / "no_text.jsonl"
+    no_text.write_text('{"body": "x"}\n')
+    with pytest.raises(
+        ConfigError, match=f"cannot read {no_text}: its first record has no 'text' field \\(has: body\\)"
+    ):
+        loader(no_text)
+    bad_parquet = tmp_path / "bad.parquet"
+    bad_parquet.write_bytes(b"not a parquet file")
+    with pytest.raises(ConfigError, match=f"cannot read {bad_parquet}: "):
+        loader(bad_parquet)
+    # A malformed record further in is found while streaming: still a ConfigError naming the path.
+    late = tmp_path / "late.jsonl"
+    late.write_text('{"text": "good"}\n' * 3 + "{broken\n")
+    with pytest.raises(ConfigError, match=f"training.dataset_path {late}: cannot read: "):
+        next(loader(late))
+
+
+def test_bad_dataset_path_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch.distributed as dist
+
+    import train
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    argv = ["--job.dump_folder", str(tmp_path), "--training.dataset_path", str(bad), "--training.seq_len", "32"]
+    try:
+        assert train.main(argv) == 2
+    finally:
+        if dist.is_initialized():  # the Trainer failed in __init__, before close()
+            dist.destroy_process_group()
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"kiln: error: training.dataset_path: cannot read {bad}: its first record has no 'text' field (has: list)"
+    )
