@@ -21,28 +21,15 @@ STEP_LINE = re.compile(
 )
 
 
+# Small and fast: 2 layers of the debug model's width, short sequences, fp32 for exact comparisons.
+BASE = (
+    "--training.seq_len 64 --training.local_batch_size 4 --training.steps 4 --training.seed 0 "
+    "--training.mixed_precision_param float32 --activation_checkpoint.mode none --model.n_layers 2"
+).split()
+
+
 def train(tmp_path: Path, *overrides: str) -> list[float]:
-    cfg = parse_args(
-        [
-            "--job.config_file",
-            DEBUG,
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "4",
-            "--training.steps",
-            "4",
-            "--training.seed",
-            "0",
-            "--training.mixed_precision_param",
-            "float32",
-            "--activation_checkpoint.mode",
-            "none",
-            *overrides,
-        ]
-    )
+    cfg = parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), *BASE, *overrides])
     trainer = Trainer(cfg)
     try:
         trainer.train()

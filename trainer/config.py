@@ -52,6 +52,10 @@ class Model:
     name: str = _f("llama3", "Model family.", ("llama3",))
     flavor: str = _f("debugmodel", "Model size.", ("debugmodel", "8B", "70B", "405B"))
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
+    n_layers: int | None = _f(None, "Override the flavor's layer count (benchmarks: 8B widths, fewer layers).")
+    vocab_size: int | None = _f(
+        None, "Pad the vocabulary to this size (>= the tokenizer's); unset = the tokenizer's size."
+    )
 
 
 @dataclass
@@ -389,6 +393,9 @@ def validate(cfg: JobConfig) -> None:
     _check(c.interval > 0, f"checkpoint.interval must be > 0, got {c.interval}")
     _check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 = keep all), got {c.keep_latest_k}")
     _check(c.load_step >= -1, f"checkpoint.load_step must be -1 (latest) or a step, got {c.load_step}")
+    m = cfg.model
+    _check(m.n_layers is None or m.n_layers > 0, f"model.n_layers must be > 0, got {m.n_layers}")
+    _check(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be > 0, got {m.vocab_size}")
     if cfg.metrics.peak_tflops is not None:
         _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0")
     if not cfg.job.dry_run and not cfg.job.print_config:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from float8.converter import build_float8_converter
-from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
+from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from trainer.checkpoint import CheckpointManager
@@ -55,9 +55,7 @@ class Trainer:
             raise ConfigError(f"model.tokenizer_path: {e}") from None
         self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree)
 
-        model_args = dataclasses.replace(
-            LLAMA3_FLAVORS[cfg.model.flavor], vocab_size=self.tokenizer.n_words, max_seq_len=t.seq_len
-        )
+        model_args = self._model_args(self.tokenizer.n_words)
         with torch.device("meta"):
             model = Transformer(model_args)
         self.float8 = build_float8_converter(cfg.float8)
@@ -102,6 +100,19 @@ class Trainer:
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
         self.metrics = MetricsLogger(cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank)
         self.losses: list[float] = []  # losses of logged steps, for tests and callers
+
+    def _model_args(self, tokenizer_words: int) -> ModelArgs:
+        """The flavor's shape with the vocabulary (and optional layer count) from tokenizer and config."""
+        m, vocab = self.cfg.model, self.cfg.model.vocab_size
+        if vocab is not None and vocab < tokenizer_words:
+            raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's {tokenizer_words} tokens")
+        args = LLAMA3_FLAVORS[m.flavor]
+        return dataclasses.replace(
+            args,
+            vocab_size=vocab or tokenizer_words,
+            n_layers=m.n_layers or args.n_layers,
+            max_seq_len=self.cfg.training.seq_len,
+        )
 
     def _grad_accum_steps(self, dp_degree: int) -> int:
         t = self.cfg.training
