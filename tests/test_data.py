@@ -149,3 +149,23 @@ def test_bad_dataset_path_exits_2_with_one_line(tmp_path: Path, capsys: pytest.C
         err
         == f"kiln: error: training.dataset_path: cannot read {bad}: its first record has no 'text' field (has: list)"
     )
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_prefetch_gives_same_batches_and_exact_state(prefetch: int) -> None:
+    """Prefetching must not change the batches nor let the saved position run ahead of the consumed batches."""
+    reference = loader(seq_len=64)
+    reference.prefetch = 0
+    want = [next(reference)[0] for _ in range(6)]
+    dl = loader(seq_len=64)
+    dl.prefetch = prefetch
+    got = [next(dl)[0] for _ in range(3)]
+    state = dl.state_dict()  # the producer thread is ahead by now; the state must not be
+    dl.close()
+    resumed = loader(seq_len=64)
+    resumed.prefetch = prefetch
+    resumed.load_state_dict(state)
+    got += [next(resumed)[0] for _ in range(3)]
+    resumed.close()
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

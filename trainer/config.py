@@ -94,6 +94,7 @@ class Training:
         "A multiple of that product gives gradient accumulation.",
     )
     seq_len: int = _f(2048, "Tokens per sequence.")
+    data_prefetch: int = _f(2, "Batches a background thread prepares ahead of the step (0 = load in the step).")
     steps: int = _f(10000, "Optimizer steps to train.")
     max_norm: float = _f(1.0, "Gradient-norm clipping threshold (<= 0 disables clipping).")
     mixed_precision_param: str = _f(
@@ -370,6 +371,7 @@ def validate(cfg: JobConfig) -> None:
     _check(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
     _check(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
     _check(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
+    _check(t.data_prefetch >= 0, f"training.data_prefetch must be >= 0, got {t.data_prefetch}")
     _check(t.gc_freq > 0, f"training.gc_freq must be > 0, got {t.gc_freq}")
     _check(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
     _check(cfg.optimizer.lr > 0, f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")

@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import pickle
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -177,42 +179,101 @@ class TokenWindows:
 
 
 class DataLoader:
-    """Batches windows into (inputs, labels) LongTensors of shape [local_batch_size, seq_len]."""
+    """Batches windows into (inputs, labels) LongTensors of shape [local_batch_size, seq_len].
 
-    def __init__(self, windows: TokenWindows, batch_size: int) -> None:
+    A background thread tokenizes and packs up to `prefetch` batches ahead (pinned in memory when `pin_memory`,
+    so the host-to-device copy can overlap compute). Each queued batch carries the loader position just after
+    it, so `state_dict()` describes exactly the batches the trainer consumed, not the ones prefetched.
+    """
+
+    def __init__(self, windows: TokenWindows, batch_size: int, prefetch: int = 2, pin_memory: bool = False) -> None:
         self.windows = windows
         # Each DP rank reads its own shard, so each saves its own position under its own key (as torchtitan):
         # a checkpoint then holds dp_rank_0 .. dp_rank_{D-1} and resumes only under the same DP degree.
         self.state_key = f"dp_rank_{windows.dp_rank}"
         self.dp_degree = windows.dp_degree
         self.batch_size = batch_size
-        self._it: Iterator[list[int]] | None = None
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self._position = pickle.dumps(windows.state_dict())  # after the last batch handed out
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._it: Iterator[list[int]] | None = None  # used when prefetch == 0
 
     def __iter__(self) -> DataLoader:
         return self
 
+    def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+        batch = torch.tensor([next(it) for _ in range(self.batch_size)], dtype=torch.long)
+        if self.pin_memory:
+            batch = batch.pin_memory()
+        return batch[:, :-1], batch[:, 1:], pickle.dumps(self.windows.state_dict())
+
+    def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
+        it = iter(self.windows)
+        while not stop.is_set():
+            try:
+                item: Any = self._next_batch(it)
+            except BaseException as e:  # handed to the consumer, which raises it in the training thread
+                item = e
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prefetch == 0:
+            inputs, labels, self._position = self._next_batch(self._iter())
+            return inputs, labels
+        if self._queue is None:
+            self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
+            self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True)
+            self._thread.start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        inputs, labels, self._position = item
+        return inputs, labels
+
+    def _iter(self) -> Iterator[list[int]]:
         if self._it is None:
             self._it = iter(self.windows)
-        batch = torch.tensor([next(self._it) for _ in range(self.batch_size)], dtype=torch.long)
-        return batch[:, :-1], batch[:, 1:]
+        return self._it
+
+    def _reset(self) -> None:
+        """Stop the producer and drop prefetched batches (before moving the position)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self._queue, self._thread, self._it = None, None, None
+
+    def close(self) -> None:
+        self._reset()
 
     def state_dict(self) -> dict[str, bytes]:
         """{dp_rank_R: pickled position}: bytes, so DCP stores it as one opaque item per rank."""
-        return {self.state_key: pickle.dumps(self.windows.state_dict())}
+        return {self.state_key: self._position}
 
     def load_state_dict(self, state: dict[str, bytes]) -> None:
         if self.state_key not in state:
             raise ConfigError(
                 f"checkpoint has no data-loader state for {self.state_key} (saved with another data-parallel degree)"
             )
-        self.windows.load_state_dict(pickle.loads(state[self.state_key]))
-        self._it = None
+        self._reset()
+        self._position = state[self.state_key]
+        self.windows.load_state_dict(pickle.loads(self._position))
 
 
-def build_dataloader(cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> DataLoader:
+def build_dataloader(
+    cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, pin_memory: bool = False
+) -> DataLoader:
     hf = load_text_dataset(cfg.dataset, cfg.dataset_path)
     text_key = DATASETS[cfg.dataset].text_key if cfg.dataset in DATASETS else "text"
     source = f"training.dataset_path {cfg.dataset_path}" if cfg.dataset_path else f"training.dataset {cfg.dataset}"
     windows = TokenWindows(hf, tokenizer, cfg.seq_len, dp_rank, dp_degree, text_key, source)
-    return DataLoader(windows, cfg.local_batch_size)
+    return DataLoader(windows, cfg.local_batch_size, prefetch=cfg.data_prefetch, pin_memory=pin_memory)

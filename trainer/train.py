@@ -53,7 +53,7 @@ class Trainer:
             self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.tokenizer_path: {e}") from None
-        self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree)
+        self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree, pin_memory=self.device.type == "cuda")
 
         model_args = self._model_args(self.tokenizer.n_words)
         with torch.device("meta"):
@@ -195,6 +195,7 @@ class Trainer:
         logger.info("Training completed")
 
     def close(self) -> None:
+        self.dataloader.close()
         self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
