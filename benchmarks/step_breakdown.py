@@ -41,8 +41,20 @@ def main(argv: list[str]) -> None:
 
         return wrapper
 
-    loader = trainer.dataloader
-    trainer.dataloader = type("Timed", (), {"__next__": lambda self: timed("data", loader.__next__)()})()
+    class TimedLoader:
+        """The trainer's loader with next() timed; everything else (close, state_dict) passes through."""
+
+        def __init__(self, loader) -> None:
+            self.loader = loader
+            self.next = timed("data", loader.__next__)
+
+        def __next__(self):
+            return self.next()
+
+        def __getattr__(self, name: str):
+            return getattr(self.loader, name)
+
+    trainer.dataloader = TimedLoader(trainer.dataloader)
     trainer.forward_backward = timed("forward+backward", trainer.forward_backward)
     # Hooks rather than wrapping optimizer.step: LambdaLR checks that step is the optimizer's own method.
     opt_t0 = [0.0]
