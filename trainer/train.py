@@ -27,6 +27,7 @@ from trainer.data import build_dataloader
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.saved_activations import SavedActivationReport, measure_saved_activations
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln")
@@ -121,13 +122,30 @@ class Trainer:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and fp32 cross-entropy of one micro-batch."""
         with self.amp:
             logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
+        loss = self.forward_loss(inputs, labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
+
+    def report_saved_activations(self) -> SavedActivationReport:
+        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        inputs, labels = next(self.dataloader)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with torch.compiler.set_stance("force_eager"):  # compiled regions would hide their saved tensors
+            report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
+        self.optimizer.zero_grad()
+        if self.is_logging_rank:
+            logger.info(f"Tensors kept for backward by producing op (rank {dist.get_rank()}):\n{report.format()}")
+        else:
+            logger.info(f"saved_activations_total_bytes: {report.total_bytes}")
+        return report
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate gradients over micro-batches, clip, step the optimizer and LR; return (loss, grad norm)."""
@@ -159,6 +177,9 @@ class Trainer:
 
     def train(self) -> None:
         t = self.cfg.training
+        if self.cfg.profiling.saved_activations_report:
+            self.report_saved_activations()
+            return
         gc.disable()  # collect at a fixed cadence instead of at random points mid-step
         logger.info(
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "
