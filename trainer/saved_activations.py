@@ -79,7 +79,9 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for a in attrs:
-            yield from _plain_tensors(getattr(t, a))
+            inner = getattr(t, a)
+            if isinstance(inner, torch.Tensor):  # some subclasses list non-tensor attrs (a DeviceMesh)
+                yield from _plain_tensors(inner)
     else:
         yield t
 
