@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config:
             print(to_toml(cfg))
             return 0
+        if cfg.job.dry_run:
+            from trainer.dry_run import dry_run
+
+            print(dry_run(cfg))
+            return 0
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
         trainer = Trainer(cfg)
