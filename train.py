@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
+    except ConfigError as e:  # a check at the first step (e.g. a float8 flag that did nothing)
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     return 0

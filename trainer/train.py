@@ -25,6 +25,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
+from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.saved_activations import SavedActivationReport, measure_saved_activations
@@ -103,6 +104,7 @@ class Trainer:
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
         self.metrics = MetricsLogger(cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank)
         self.losses: list[float] = []  # losses of logged steps, for tests and callers
+        self._float8_verified = False  # float8 flags are checked once, at the first step
 
     def _grad_accum_steps(self, dp_degree: int) -> int:
         t = self.cfg.training
@@ -190,7 +192,13 @@ class Trainer:
                 self.step += 1
                 if self.step % t.gc_freq == 0:
                     gc.collect(1)
-                loss, grad_norm = self.train_step()
+                if self.float8 is not None and not self._float8_verified:
+                    with ScaledMMCounter() as scaled_mm:  # first step only: a dispatch mode costs time
+                        loss, grad_norm = self.train_step()
+                    verify_float8_in_use(self.model, self.cfg.float8, scaled_mm.calls, self.parallel_dims.fsdp_enabled)
+                    self._float8_verified = True
+                else:
+                    loss, grad_norm = self.train_step()
                 if self.metrics.should_log(self.step) or self.step == t.steps:
                     # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
                     norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
