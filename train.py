@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run(cfg))
             return 0
+        from trainer.guards import NonFiniteError
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
         trainer = Trainer(cfg)
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a check at the first step (e.g. a float8 flag that did nothing)
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     return 0

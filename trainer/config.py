@@ -374,7 +374,12 @@ def validate(cfg: JobConfig) -> None:
     _check(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
     _check(t.gc_freq > 0, f"training.gc_freq must be > 0, got {t.gc_freq}")
     _check(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
-    _check(cfg.profiling.profile_freq > 0, f"profiling.profile_freq must be > 0, got {cfg.profiling.profile_freq}")
+    freq = cfg.profiling.profile_freq
+    _check(freq > 0, f"profiling.profile_freq must be > 0, got {freq}")
+    _check(
+        not cfg.profiling.enable_profiling or freq >= 4,
+        f"profiling.profile_freq must be >= 4 with profiling on (3 warm-up steps + 1 traced), got {freq}",
+    )
     _check(cfg.float8.sqnr_log_freq >= 0, f"float8.sqnr_log_freq must be >= 0, got {cfg.float8.sqnr_log_freq}")
     _check(cfg.optimizer.lr > 0, f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
     _check(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")

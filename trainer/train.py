@@ -26,9 +26,12 @@ from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
 from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
+from trainer.guards import check_finite
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from trainer.saved_activations import SavedActivationReport, measure_saved_activations
+from trainer.sqnr import Float8SQNRMonitor
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln")
@@ -163,6 +166,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
         )
+        checkpoint_folder = os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder)
+        check_finite(self.step, loss_sum / self.grad_accum_steps, grad_norm, checkpoint_folder)  # before any update
         self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:
@@ -187,30 +192,52 @@ class Trainer:
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "
             f"grad accumulation {self.grad_accum_steps}, world {dist.get_world_size()}"
         )
+        prof_cfg, dump, rank = self.cfg.profiling, self.cfg.job.dump_folder, dist.get_rank()
+        sqnr_freq = self.cfg.float8.sqnr_log_freq
+        sqnr = Float8SQNRMonitor(self.model) if self.float8 is not None and sqnr_freq else None
         try:
-            while self.step < t.steps:
-                self.step += 1
-                if self.step % t.gc_freq == 0:
-                    gc.collect(1)
-                if self.float8 is not None and not self._float8_verified:
-                    with ScaledMMCounter() as scaled_mm:  # first step only: a dispatch mode costs time
-                        loss, grad_norm = self.train_step()
-                    verify_float8_in_use(self.model, self.cfg.float8, scaled_mm.calls, self.parallel_dims.fsdp_enabled)
-                    self._float8_verified = True
-                else:
-                    loss, grad_norm = self.train_step()
-                if self.metrics.should_log(self.step) or self.step == t.steps:
-                    # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
-                    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                    loss_f, norm_f = self._global_mean_loss(loss), norm.item()
-                    self.losses.append(loss_f)
-                    self.metrics.log(self.step, t.steps, loss_f, norm_f, self.last_lr)
-                self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
-                if self.step == 1:
-                    set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+            with (
+                maybe_enable_profiling(prof_cfg, dump, rank, self.step) as profiler,
+                maybe_enable_memory_snapshot(prof_cfg, dump, rank, self.device, self.step) as snapshot,
+            ):
+                while self.step < t.steps:
+                    self._train_one(sqnr, sqnr_freq)
+                    if profiler is not None:
+                        profiler.step()
+                    if snapshot is not None:
+                        snapshot.step()
         finally:
             gc.enable()
+            if sqnr is not None:
+                sqnr.remove()
         logger.info("Training completed")
+
+    def _train_one(self, sqnr: Float8SQNRMonitor | None, sqnr_freq: int) -> None:
+        """One step of the loop: train_step, first-step float8 checks, SQNR, metrics, checkpoint."""
+        t = self.cfg.training
+        self.step += 1
+        if self.step % t.gc_freq == 0:
+            gc.collect(1)
+        if sqnr is not None:
+            sqnr.active = self.step % sqnr_freq == 0
+        if self.float8 is not None and not self._float8_verified:
+            with ScaledMMCounter() as scaled_mm:  # first step only: a dispatch mode costs time
+                loss, grad_norm = self.train_step()
+            verify_float8_in_use(self.model, self.cfg.float8, scaled_mm.calls, self.parallel_dims.fsdp_enabled)
+            self._float8_verified = True
+        else:
+            loss, grad_norm = self.train_step()
+        if self.metrics.should_log(self.step) or self.step == t.steps:
+            # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
+            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            loss_f, norm_f = self._global_mean_loss(loss), norm.item()
+            self.losses.append(loss_f)
+            self.metrics.log(self.step, t.steps, loss_f, norm_f, self.last_lr)
+        if sqnr is not None and sqnr.active and self.is_logging_rank:
+            sqnr.log(self.step)
+        self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+        if self.step == 1:
+            set_collective_timeout(self.cfg.comm.train_timeout_seconds)
 
     def close(self) -> None:
         self.checkpointer.close()
