@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config:
             print(to_toml(cfg))
             return 0
+        if cfg.job.dry_run:
+            from trainer.dry_run import dry_run
+
+            print(dry_run(cfg))
+            return 0
+        from trainer.guards import NonFiniteError
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
         trainer = Trainer(cfg)
@@ -30,9 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
-    except ConfigError as e:  # e.g. a malformed record met mid-run in training.dataset_path
+    except ConfigError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     return 0

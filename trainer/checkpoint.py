@@ -293,13 +293,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether maybe_save(step, last) will write a checkpoint."""
+        return self.enabled and (last or step % self.cfg.interval == 0)
+
     def maybe_save(self, step: int, last: bool = False) -> None:
         """Save at every `interval` steps and at the last step; finish a background save that is done."""
         if not self.enabled:
             return
         if self._pending is not None and self._pending[0].done():
             self._finish_pending()
-        if not (last or step % self.cfg.interval == 0):
+        if not self.due(step, last):
             return
         weights_only = self.cfg.model_weights_only or (last and self.cfg.last_save_model_weights_only)
         self._finish_pending()  # one save in flight at a time

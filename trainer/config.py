@@ -157,6 +157,9 @@ class Float8:
     )
     filter_fqns: list[str] = _f(["output"], "Linears whose name contains one of these stay high precision.")
     emulate: bool = _f(False, "Emulate float8 matmuls (CPU tests, GPUs below SM 8.9).")
+    sqnr_log_freq: int = _f(
+        0, "Every N steps log each Float8Linear's output SQNR (dB) against a high-precision matmul; 0 = off."
+    )
 
 
 @dataclass
@@ -176,6 +179,9 @@ class Profiling:
     profile_freq: int = _f(10, "Capture a trace every N steps.")
     enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
     save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+    saved_activations_report: bool = _f(
+        False, "Run one eager training step, print the bytes kept for backward by producing op, and exit."
+    )
 
 
 @dataclass
@@ -374,6 +380,13 @@ def validate(cfg: JobConfig) -> None:
     _check(t.data_prefetch >= 0, f"training.data_prefetch must be >= 0, got {t.data_prefetch}")
     _check(t.gc_freq > 0, f"training.gc_freq must be > 0, got {t.gc_freq}")
     _check(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
+    freq = cfg.profiling.profile_freq
+    _check(freq > 0, f"profiling.profile_freq must be > 0, got {freq}")
+    _check(
+        not cfg.profiling.enable_profiling or freq >= 4,
+        f"profiling.profile_freq must be >= 4 with profiling on (3 warm-up steps + 1 traced), got {freq}",
+    )
+    _check(cfg.float8.sqnr_log_freq >= 0, f"float8.sqnr_log_freq must be >= 0, got {cfg.float8.sqnr_log_freq}")
     _check(cfg.optimizer.lr > 0, f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
     _check(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
     dr = cfg.lr_scheduler.decay_ratio

@@ -25,8 +25,13 @@ from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
+from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
+from trainer.guards import NonFiniteGuard
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from trainer.saved_activations import SavedActivationReport, measure_saved_activations
+from trainer.sqnr import Float8SQNRMonitor
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln")
@@ -95,11 +100,13 @@ class Trainer:
             },
         )
         self.step = self.checkpointer.load()
+        self.nan_guard = NonFiniteGuard(self.device)
 
         self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
         self.metrics = MetricsLogger(cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank)
         self.losses: list[float] = []  # losses of logged steps, for tests and callers
+        self._float8_verified = False  # float8 flags are checked once, at the first step
 
     def _model_args(self, tokenizer_words: int) -> ModelArgs:
         """The flavor's shape with the vocabulary (and optional layer count) from tokenizer and config."""
@@ -132,13 +139,30 @@ class Trainer:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and fp32 cross-entropy of one micro-batch."""
         with self.amp:
             logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
+        loss = self.forward_loss(inputs, labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
+
+    def report_saved_activations(self) -> SavedActivationReport:
+        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        inputs, labels = next(self.dataloader)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with torch.compiler.set_stance("force_eager"):  # compiled regions would hide their saved tensors
+            report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
+        self.optimizer.zero_grad()
+        if self.is_logging_rank:
+            logger.info(f"Tensors kept for backward by producing op (rank {dist.get_rank()}):\n{report.format()}")
+        else:
+            logger.info(f"saved_activations_total_bytes: {report.total_bytes}")
+        return report
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate gradients over micro-batches, clip, step the optimizer and LR; return (loss, grad norm)."""
@@ -154,6 +178,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
         )
+        self.nan_guard.observe(self.step, loss_sum, grad_norm)
         self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:
@@ -170,29 +195,64 @@ class Trainer:
 
     def train(self) -> None:
         t = self.cfg.training
+        if self.cfg.profiling.saved_activations_report:
+            self.report_saved_activations()
+            return
         gc.disable()  # collect at a fixed cadence instead of at random points mid-step
         logger.info(
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "
             f"grad accumulation {self.grad_accum_steps}, world {dist.get_world_size()}"
         )
+        prof_cfg, dump, rank = self.cfg.profiling, self.cfg.job.dump_folder, dist.get_rank()
+        sqnr_freq = self.cfg.float8.sqnr_log_freq
+        sqnr = Float8SQNRMonitor(self.model) if self.float8 is not None and sqnr_freq else None
         try:
-            while self.step < t.steps:
-                self.step += 1
-                if self.step % t.gc_freq == 0:
-                    gc.collect(1)
-                loss, grad_norm = self.train_step()
-                if self.metrics.should_log(self.step) or self.step == t.steps:
-                    # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
-                    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                    loss_f, norm_f = self._global_mean_loss(loss), norm.item()
-                    self.losses.append(loss_f)
-                    self.metrics.log(self.step, t.steps, loss_f, norm_f, self.last_lr)
-                self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
-                if self.step == 1:
-                    set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+            with (
+                maybe_enable_profiling(prof_cfg, dump, rank, self.step) as profiler,
+                maybe_enable_memory_snapshot(prof_cfg, dump, rank, self.device, self.step) as snapshot,
+            ):
+                while self.step < t.steps:
+                    self._train_one(sqnr, sqnr_freq)
+                    if profiler is not None:
+                        profiler.step()
+                    if snapshot is not None:
+                        snapshot.step()
         finally:
             gc.enable()
+            if sqnr is not None:
+                sqnr.remove()
         logger.info("Training completed")
+
+    def _train_one(self, sqnr: Float8SQNRMonitor | None, sqnr_freq: int) -> None:
+        """One step of the loop: train_step, first-step float8 checks, SQNR, metrics, checkpoint."""
+        t = self.cfg.training
+        self.step += 1
+        if self.step % t.gc_freq == 0:
+            gc.collect(1)
+        if sqnr is not None:
+            sqnr.active = self.step % sqnr_freq == 0
+        if self.float8 is not None and not self._float8_verified:
+            with ScaledMMCounter() as scaled_mm:  # first step only: a dispatch mode costs time
+                loss, grad_norm = self.train_step()
+            verify_float8_in_use(self.model, self.cfg.float8, scaled_mm.calls, self.parallel_dims.fsdp_enabled)
+            self._float8_verified = True
+        else:
+            loss, grad_norm = self.train_step()
+        last = self.step == t.steps
+        log_step = self.metrics.should_log(self.step) or last
+        if log_step or self.checkpointer.due(self.step, last):
+            self.nan_guard.check(self.checkpointer.folder)
+        if log_step:
+            # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
+            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            loss_f, norm_f = self._global_mean_loss(loss), norm.item()
+            self.losses.append(loss_f)
+            self.metrics.log(self.step, t.steps, loss_f, norm_f, self.last_lr)
+        if sqnr is not None and sqnr.active and self.is_logging_rank:
+            sqnr.log(self.step)
+        self.checkpointer.maybe_save(self.step, last=last)
+        if self.step == 1:
+            set_collective_timeout(self.cfg.comm.train_timeout_seconds)
 
     def close(self) -> None:
         self.dataloader.close()

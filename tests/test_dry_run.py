@@ -1,0 +1,71 @@
+"""Dry run: meta build + float8 + parallel plan under a fake process group; the plan's content and estimates."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch.nn as nn
+
+import train
+from models import LLAMA3_FLAVORS
+from parallelisms.parallel_dims import ParallelDims
+from tests.sac_helpers import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
+from trainer.config import ActivationCheckpoint, Float8, Training, parse_args
+from trainer.dry_run import _float8_skip_reason, dry_run, memory_estimate
+from trainer.saved_activations import measure_saved_activations
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_debug_plan_fsdp_tp_float8() -> None:
+    cfg = parse_args(
+        ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dry_run"]
+        + ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+        + ["--float8.enable_float8_linear", "--activation_checkpoint.selective_ac_option", "op"]
+    )
+    plan = dry_run(cfg)
+    lines = plan.splitlines()
+    assert "simulated world: 4 = dp_replicate 1 x dp_shard 2 x tp 2" in plan
+    assert "parameters: 6,270,208" in plan
+    assert "float8: 42/43 Linears converted (recipe tensorwise)" in plan
+    assert any(line.split()[:2] == ["output", "x1"] and "filter_fqns contains 'output'" in line for line in lines)
+    wq = next(line for line in lines if line.split()[0] == "layers.*.attention.wq" and "Parallel" in line)
+    assert "Float8ColwiseParallel" in wq and "dim 0" in wq
+    wo = next(line for line in lines if line.split()[0] == "layers.*.attention.wo" and "Parallel" in line)
+    assert "Float8RowwiseParallel" in wo and "dim 1" in wo
+    assert "selective per-op" in plan and "save list:" in plan
+    assert "optimizer (AdamW m+v fp32)" in plan
+
+
+def test_rowwise_uses_high_precision_tp_styles_and_cli_exits_0(capsys: pytest.CaptureFixture) -> None:
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--job.dry_run"]
+    argv += ["--float8.enable_float8_linear", "--float8.recipe_name", "rowwise"]
+    argv += ["--parallelism.tensor_parallel_degree", "8"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "vocab 128256" in out  # Llama 3's tokenizer file is absent here: its size is used
+    assert "float8: 224/225 Linears converted (recipe rowwise)" in out and "weight scaling axiswise" in out
+    assert " ColwiseParallel " in out and "Float8ColwiseParallel" not in out
+
+
+def test_float8_skip_reasons() -> None:
+    cfg = Float8(enable_float8_linear=True, filter_fqns=["output", "w2"])
+    assert _float8_skip_reason("layers.0.feed_forward.w2", nn.Linear(32, 32), cfg) == "float8.filter_fqns contains 'w2'"
+    assert "not divisible by 16" in _float8_skip_reason("layers.0.attention.wq", nn.Linear(24, 32), cfg)
+    assert _float8_skip_reason("layers.0.attention.wq", nn.Linear(32, 32), cfg) is None
+
+
+@pytest.mark.parametrize("save_list", [None, SAVE_LIST], ids=["no_ac", "per_op_sac"])
+def test_activation_estimate_matches_report(save_list: tuple | None) -> None:
+    """The dry run's activation formula against the measured bytes (minus autocast's weight casts)."""
+    model = debug_model(None, save_list)
+    measured = measure_saved_activations(model, loss_fn(model, batch()))
+    ac = ActivationCheckpoint(mode="none") if save_list is None else ActivationCheckpoint("selective", "op")
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256, n_layers=LAYERS)
+    est = memory_estimate(model, args, Training(local_batch_size=2, seq_len=64), ac, ParallelDims(1, 1, 1, 1))
+    activations = measured.total_bytes - measured.bytes_of("aten._to_copy")
+    assert abs(est["activations (one micro-batch)"] / activations - 1) < 0.2, (est, activations)
+    n = sum(p.numel() for p in model.parameters())
+    assert est["params (fp32)"] == 4 * n and est["optimizer (AdamW m+v fp32)"] == 8 * n

@@ -1,0 +1,124 @@
+"""Saved-activation report and the memory-regression checks built on it (seed 001: per-op SAC kept abs(W))."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.sac_helpers import LAYERS, SAVE_LIST, aten, batch, debug_model, loss_fn
+from trainer.saved_activations import (
+    SavedActivationReport,
+    check_float8_overhead,
+    check_ops_not_saved,
+    measure_saved_activations,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+WITH_ABS = (*SAVE_LIST, aten.abs.default)
+
+
+def report(recipe: str | None, save_list: tuple | None = SAVE_LIST) -> SavedActivationReport:
+    model = debug_model(recipe, save_list)
+    return measure_saved_activations(model, loss_fn(model, batch()))
+
+
+@pytest.fixture(scope="module")
+def bf16_report() -> SavedActivationReport:
+    return report(None)
+
+
+def test_report_sees_sac_cache_and_autograd_saves(bf16_report: SavedActivationReport) -> None:
+    r = bf16_report
+    # Per-op SAC caches every second mm: 4 of the 7 block matmuls per block, each (2*64, out) bf16.
+    mm = r.row("aten.mm")
+    assert mm is not None and mm.count == 4 * LAYERS and mm.dtypes == {"bfloat16"}
+    dim, hidden, kv = 256, 768, 256  # debugmodel: wq, wk, wv, wo -> dim; w1, w3 -> hidden; w2 -> dim
+    assert mm.nbytes == LAYERS * 2 * 128 * (dim + kv + dim + hidden)  # saved mm #1 wq, #3 wv, #5 w1, #7 w2
+    assert r.row("aten._scaled_dot_product_flash_attention_for_cpu").count == LAYERS * 2  # out + logsumexp
+    # Outside SAC regions autograd's own saves show up: log-softmax of the loss, the output-layer input.
+    assert r.bytes_of("aten._log_softmax") == 2 * 64 * 2256 * 4
+    assert "saved_activations_total_bytes: " + str(r.total_bytes) in r.format()
+    assert r.total_bytes == sum(row.nbytes for row in r.rows if row.op != "(parameter)")
+
+
+def test_no_ac_keeps_more_than_per_op_sac(bf16_report: SavedActivationReport) -> None:
+    no_ac = report(None, save_list=None)
+    assert no_ac.total_bytes > 2 * bf16_report.total_bytes
+    assert no_ac.row("aten.silu") is not None and bf16_report.row("aten.silu") is None
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_float8_keeps_no_more_than_bf16_and_no_abs(bf16_report: SavedActivationReport, recipe: str) -> None:
+    fp8 = report(recipe)
+    assert check_ops_not_saved(fp8) == []
+    assert check_float8_overhead(bf16_report, fp8) == []
+    # The matmul outputs SAC keeps now come from _scaled_mm, same bytes as bf16's mm.
+    assert fp8.bytes_of("aten._scaled_mm") == bf16_report.bytes_of("aten.mm")
+    scale_op = "aten.max" if recipe == "tensorwise" else "aten.amax"
+    assert fp8.bytes_of(scale_op) > 0  # amaxes are saved (cheap), abs is recomputed
+
+
+def test_abs_in_save_list_is_caught(bf16_report: SavedActivationReport) -> None:
+    """The seed's bug: with abs saved, SAC keeps abs(W) of every float8 weight; both checks must fail."""
+    fp8 = report("tensorwise", WITH_ABS)
+    (violation,) = check_ops_not_saved(fp8)
+    assert violation.startswith("aten.abs: ")
+    # At least abs(W) of the converted fp32 weights (7 Linears per block), 4 bytes per element.
+    model = debug_model(None, None)
+    weights = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert fp8.bytes_of("aten.abs") >= 4 * weights
+    assert check_float8_overhead(bf16_report, fp8) != []
+
+
+# ----------------------------------------------------------------------------- 2 ranks, FSDP2, float8 rowwise
+
+
+def _fsdp_rank(rank: int, port: int, out: dict) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    totals = {}
+    for name, save_list in (("torchtitan", SAVE_LIST), ("with_abs", WITH_ABS)):
+        model = debug_model("rowwise", save_list)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+        # FSDP's MixedPrecisionPolicy casts to bf16 (rowwise _scaled_mm needs bf16): no autocast.
+        r = measure_saved_activations(model, loss_fn(model, batch(seed=rank), autocast=False))
+        totals[name] = (r.total_bytes, r.bytes_of("aten.abs"), r.bytes_of("aten.amax"), check_ops_not_saved(r))
+    out[rank] = totals
+    dist.destroy_process_group()
+
+
+def test_fsdp_two_ranks_rowwise_per_op_sac() -> None:
+    from trainer.dist import _free_port
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_fsdp_rank, args=(_free_port(), out), nprocs=2)
+        results = dict(out)
+    for rank in (0, 1):
+        good, bad = results[rank]["torchtitan"], results[rank]["with_abs"]
+        assert good[1] == 0 and good[3] == [] and good[2] > 0, good  # no abs rows, amax rows
+        # abs(W) of the unsharded bf16 weights (FSDP param_dtype) appears only with abs in the list.
+        assert bad[1] > 0 and len(bad[3]) == 1, bad
+        assert bad[0] - good[0] == bad[1], (good, bad)
+
+
+def test_cli_report_runs_one_step_and_exits_0(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import train
+
+    caplog.set_level(logging.INFO, logger="kiln")
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path)]
+    argv += ["--training.seq_len", "64", "--training.local_batch_size", "2", "--profiling.saved_activations_report"]
+    assert train.main(argv) == 0
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in text and "saved_activations_total_bytes: " in text
+    assert "step:" not in text  # no training step logged

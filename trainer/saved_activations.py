@@ -1,0 +1,229 @@
+"""Saved-activation report: which op produced each tensor kept for backward, and how many bytes it holds.
+
+Seed 001's +23% peak memory came from per-op SAC caching `abs(W)` of unsharded weights; this report makes
+such a finding one command (`--profiling.saved_activations_report`). One eager forward+backward is run
+under three observers:
+
+- a TorchDispatchMode that records, for every storage an op writes, the op that produced it (views and
+  in-place ops keep the original producer, so a transposed weight is still attributed to its cast);
+- `torch.autograd.graph.saved_tensors_hooks`: every tensor autograd keeps for backward outside
+  checkpointed regions (inside them checkpoint's own hooks win, and those tensors are not kept);
+- per-op SAC's cache: `create_selective_checkpoint_contexts` stores the outputs of MUST_SAVE ops in its own
+  dict, not through saved-tensor hooks, so the report grabs that dict from every `_CachingTorchDispatchMode`
+  built during the forward (private torch API, pinned by tests) and reads it before backward consumes it;
+  plus the inputs of checkpoint-wrapped blocks, which checkpoint keeps to recompute from.
+
+Tensors are deduplicated by storage, so views and tensors sharing memory count once, at the storage's
+full size (that is what stays allocated). Model parameters are listed but not counted: they are not
+activations. Everything here is per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+logger = logging.getLogger("kiln")
+
+PARAMETER = "(parameter)"  # a model parameter kept for backward: listed, not counted as activation
+UNKNOWN = "(input/unattributed)"  # kept but produced outside the observed step (e.g. the batch)
+
+
+@dataclass
+class OpRow:
+    op: str
+    count: int = 0
+    nbytes: int = 0
+    dtypes: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SavedActivationReport:
+    """Bytes kept for backward by producing op (per rank). `total_bytes` excludes parameters."""
+
+    rows: list[OpRow]
+    total_bytes: int
+
+    def row(self, op: str) -> OpRow | None:
+        """The row of an op, by name as printed (e.g. 'aten.abs', 'aten.mm')."""
+        return next((r for r in self.rows if r.op == op), None)
+
+    def bytes_of(self, op: str) -> int:
+        r = self.row(op)
+        return r.nbytes if r else 0
+
+    def format(self) -> str:
+        lines = [f"{'op':<52} {'count':>6} {'dtype':<26} {'bytes':>14} {'share':>7}"]
+        for r in self.rows:
+            share = "-" if r.op == PARAMETER or not self.total_bytes else f"{100 * r.nbytes / self.total_bytes:.1f}%"
+            lines.append(f"{r.op:<52} {r.count:>6} {','.join(sorted(r.dtypes)):<26} {r.nbytes:>14,} {share:>7}")
+        lines.append(f"saved_activations_total_bytes: {self.total_bytes}")
+        return "\n".join(lines)
+
+
+def _op_name(func: torch._ops.OpOverload) -> str:
+    name = str(func)
+    return name[: -len(".default")] if name.endswith(".default") else name
+
+
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding a tensor's memory (DTensor's local shard, Float8 data and scale)."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for a in attrs:
+            inner = getattr(t, a)
+            if isinstance(inner, torch.Tensor):  # some subclasses list non-tensor attrs (a DeviceMesh)
+                yield from _plain_tensors(inner)
+    else:
+        yield t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+class _ProducerMode(TorchDispatchMode):
+    """Maps each storage written during the step to the (non-aliasing) op that produced it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producer: dict[tuple[str, int], str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        # Let tensor subclasses (DTensor, Float8TrainingTensor) run first: their inner plain ops come back
+        # through this mode, so memory is attributed to the op that really allocated it (e.g. _scaled_mm).
+        if any(t not in (torch.Tensor, nn.Parameter) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        # An output sharing an input's storage (view, in-place, _unsafe_view of an mm) keeps its producer.
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        name = _op_name(func)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key not in inputs or key not in self.producer:
+                    self.producer[key] = name
+        return out
+
+
+@contextlib.contextmanager
+def _capture_sac_caches() -> Iterator[list]:
+    """Collect every per-op SAC caching mode created inside the block (their `.storage` holds what SAC saves)."""
+    cls = torch_checkpoint._CachingTorchDispatchMode
+    original_init = cls.__init__
+    modes: list = []
+
+    def init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        original_init(self, *args, **kwargs)
+        modes.append(self)
+
+    cls.__init__ = init
+    try:
+        yield modes
+    finally:
+        cls.__init__ = original_init
+
+
+def _sac_cached_tensors(modes: list) -> Iterator[torch.Tensor]:
+    for mode in modes:
+        for entries in mode.storage.values():
+            for entry in entries.values():
+                for w in tree_leaves(entry):
+                    val = getattr(w, "val", None)  # _VersionWrapper; _RECOMPUTE markers have none
+                    if isinstance(val, torch.Tensor):
+                        yield val
+
+
+def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tensor]) -> SavedActivationReport:
+    """Run `forward()` (returns a scalar loss) and its backward once; report what was kept in between.
+
+    `model` is used to recognise parameters and checkpoint-wrapped blocks; `forward` does whatever the
+    training step does (autocast, loss). Gradients are left on the model; callers zero them if needed.
+    """
+    kept: dict[tuple[str, int], torch.Tensor] = {}  # one tensor per kept storage
+
+    def keep(t: torch.Tensor) -> None:
+        for p in _plain_tensors(t):
+            kept.setdefault(_storage_key(p), p)
+
+    params = {_storage_key(p) for q in model.parameters() for p in _plain_tensors(q.detach())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # incl. FSDP's unsharded params
+            params.update(_storage_key(p) for p in _plain_tensors(t.detach()))
+        keep(t)
+        return t
+
+    def keep_inputs(_module: nn.Module, args: tuple) -> None:
+        for a in tree_leaves(args):
+            if isinstance(a, torch.Tensor):
+                keep(a)
+
+    # Checkpointed blocks keep their inputs to recompute from (held by checkpoint's frame, not autograd).
+    wrappers = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
+    handles = [w.register_forward_pre_hook(keep_inputs) for w in wrappers]
+    producer_mode = _ProducerMode()
+    try:
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with _capture_sac_caches() as sac_modes, producer_mode, hooks:
+            loss = forward()
+        for t in _sac_cached_tensors(sac_modes):
+            keep(t)
+    finally:
+        for h in handles:
+            h.remove()
+    rows: dict[str, OpRow] = {}
+    total = 0
+    for key, t in kept.items():
+        nbytes = t.untyped_storage().nbytes()  # FSDP-resharded storage reads 0: it holds no memory
+        op = PARAMETER if key in params else producer_mode.producer.get(key, UNKNOWN)
+        row = rows.setdefault(op, OpRow(op))
+        row.count += 1
+        row.nbytes += nbytes
+        row.dtypes.add(str(t.dtype).removeprefix("torch."))
+        if op != PARAMETER:
+            total += nbytes
+    kept.clear()  # drop our references before backward frees the graph
+    loss.backward()
+    return SavedActivationReport(sorted(rows.values(), key=lambda r: -r.nbytes), total)
+
+
+# Ops whose outputs are float8 scale material (amax per tensor or per row): the only extra bytes float8 may
+# keep for backward compared with bf16. torchao's tensorwise amax is aten.max, rowwise is aten.amax.
+FLOAT8_SCALE_OPS = ("aten.max", "aten.amax")
+
+
+def check_ops_not_saved(report: SavedActivationReport, ops: tuple[str, ...] = ("aten.abs",)) -> list[str]:
+    """Violations: any kept output of `ops`. `abs` must never be kept: under per-op SAC with float8 it
+    holds abs(W) of every (unsharded) weight, seed 001's +23% peak memory; amax is saved instead."""
+    return [
+        f"{r.op}: {r.count} tensors, {r.nbytes:,} bytes kept for backward (must be recomputed)"
+        for r in report.rows
+        if r.op in ops and r.nbytes > 0
+    ]
+
+
+def check_float8_overhead(
+    report_hp: SavedActivationReport,
+    report_fp8: SavedActivationReport,
+    scale_ops: tuple[str, ...] = FLOAT8_SCALE_OPS,
+) -> list[str]:
+    """Violations: float8 keeps more bytes than the high-precision run beyond its scale tensors."""
+    scales = sum(report_fp8.bytes_of(op) for op in scale_ops)
+    excess = report_fp8.total_bytes - scales - report_hp.total_bytes
+    if excess <= 0:
+        return []
+    grew = [
+        f"{r.op} +{r.nbytes - report_hp.bytes_of(r.op):,}"
+        for r in report_fp8.rows
+        if r.op not in scale_ops and r.nbytes > report_hp.bytes_of(r.op)
+    ]
+    return [f"float8 keeps {excess:,} bytes more than high precision beyond {scales:,} of scales ({', '.join(grew)})"]
