@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,11 +42,29 @@ SAC_SAVE_LIST: frozenset[Any] = frozenset(
 )
 
 
-def _sac_policy() -> Callable[..., CheckpointPolicy]:
+@dataclass
+class SACStats:
+    """What the per-op policy decided during forward: bytes kept per op, and ops left for the recompute."""
+
+    kept_bytes: defaultdict[Any, int] = field(default_factory=lambda: defaultdict(int))
+    recomputed: defaultdict[Any, int] = field(default_factory=lambda: defaultdict(int))
+    recomputed_numel: defaultdict[Any, int] = field(default_factory=lambda: defaultdict(int))  # of first input
+
+    def record(self, func: Any, policy: CheckpointPolicy, output: Any, args: tuple) -> None:
+        if policy == CheckpointPolicy.MUST_SAVE:
+            leaves = torch.utils._pytree.tree_leaves(output)
+            self.kept_bytes[func] += sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor))
+        else:
+            self.recomputed[func] += 1
+            if args and isinstance(args[0], torch.Tensor):
+                self.recomputed_numel[func] += args[0].numel()
+
+
+def _sac_policy(stats: SACStats | None = None) -> Callable[..., CheckpointPolicy]:
     """A policy with its own mm counter: each forward (and its recompute) counts mms from zero."""
     mm_count: defaultdict[str, int] = defaultdict(int)
 
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def decide(ctx: Any, func: Any) -> CheckpointPolicy:
         if func == aten.mm.default:
             mode = "recompute" if ctx.is_recompute else "forward"
             mm_count[mode] += 1
@@ -53,22 +73,30 @@ def _sac_policy() -> Callable[..., CheckpointPolicy]:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision = decide(ctx, func)
+        if stats is not None and not ctx.is_recompute:
+            stats.record(func, decision, ctx.op_output, args)
+        return decision
+
     return policy
 
 
-def sac_context_fn() -> tuple[Any, Any]:
+def sac_context_fn(stats: SACStats | None = None) -> tuple[Any, Any]:
     """context_fn for torch.utils.checkpoint: fresh forward/recompute contexts for one block call."""
-    return create_selective_checkpoint_contexts(_sac_policy())
+    return create_selective_checkpoint_contexts(_sac_policy(stats))
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
-    """Wrap transformer blocks in model.layers so their activations are recomputed in backward."""
+def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, stats: SACStats | None = None) -> None:
+    """Wrap transformer blocks in model.layers so their activations are recomputed in backward.
+
+    With per-op SAC, `stats` (if given) collects what the policy kept and left to recompute (tests, reports).
+    """
     if cfg.mode == "none":
         return
     per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
     every = 1 if cfg.mode == "full" or per_op else int(cfg.selective_ac_option)
-    kwargs = {"context_fn": sac_context_fn} if per_op else {}
+    kwargs = {"context_fn": partial(sac_context_fn, stats)} if per_op else {}
     for i, (name, block) in enumerate(model.layers.named_children()):
         if i % every == 0:
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
-

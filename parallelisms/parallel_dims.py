@@ -93,11 +93,13 @@ def validate_parallelism(
     tp = dims.tp
     n_kv_heads = model_args.n_heads if model_args.n_kv_heads is None else model_args.n_kv_heads
     # Colwise wq/wk/wv shard whole heads; w1/w3 colwise and w2 rowwise shard the FFN hidden dim.
-    for what, size in (("n_heads", model_args.n_heads), ("n_kv_heads", n_kv_heads), ("FFN hidden dim", ffn_hidden_dim(model_args))):
+    for what, size in (
+        ("n_heads", model_args.n_heads),
+        ("n_kv_heads", n_kv_heads),
+        ("FFN hidden dim", ffn_hidden_dim(model_args)),
+    ):
         if size % tp:
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})"
-            )
+            raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")
     # Sequence parallel (norms, embedding output) splits every sequence into tp equal pieces.
     if training.seq_len % tp:
         raise ConfigError(f"training.seq_len ({training.seq_len}) must be divisible by tensor_parallel_degree ({tp})")

@@ -57,12 +57,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_
         },
     )
     if float8_tensorwise:
-        from parallelisms.float8_gloo import enable_float8_tp_on_cpu
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
             PrepareFloat8ModuleInput,
         )
+
+        from parallelisms.float8_gloo import enable_float8_tp_on_cpu
 
         if tp_mesh.device_type == "cpu":
             enable_float8_tp_on_cpu()

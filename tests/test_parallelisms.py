@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from models import ModelArgs, Transformer
 from models.args import ffn_hidden_dim
+from parallelisms.activation_checkpoint import SAC_SAVE_LIST
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from tests.distributed import run_distributed
 from trainer.config import ActivationCheckpoint, ConfigError, Float8, Parallelism, Training
@@ -47,23 +48,20 @@ def _batches() -> list[torch.Tensor]:
     return list((start + stride * torch.arange(SEQ + 1)) % ARGS.vocab_size)
 
 
-def _float8_config(recipe: str | None) -> Any:
-    from torchao.float8 import Float8LinearConfig
+def _build(recipe: str | None, device: str = "meta", fsdp_float8_all_gather: bool = True) -> nn.Module:
+    """The tiny Llama3, float8-converted (all but the output layer) when a recipe is given.
 
-    if recipe == "tensorwise":
-        return Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    return Float8LinearConfig.from_recipe_name(recipe)
-
-
-def _build(recipe: str | None, device: str = "meta") -> nn.Module:
+    Tensorwise comes with FSDP float8 all-gather unless turned off (then weights are cast inside forward).
+    """
     with torch.device(device):
         model = Transformer(ARGS)
     if recipe is not None:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(
-            model, config=_float8_config(recipe), module_filter_fn=lambda m, fqn: fqn != "output"
-        )
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if recipe == "tensorwise":
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
     return model
 
 
@@ -201,7 +199,51 @@ def _run_case(case: Case, state_path: str, spy: _Spy) -> dict[str, Any]:
     return {"losses": losses, "fsdp_all_gathers": list(spy.fsdp), "tp_float8_all_gathers": spy.tp_float8}
 
 
-def _run_cases(cases: list[Case], state_path: str) -> dict[str, dict[str, Any]]:
+def _sac_run(recipe: str | None) -> dict[str, dict[str, int] | int]:
+    """One bf16 forward/backward of the tiny model, FSDP on 2 ranks, per-op SAC on every block: what is kept."""
+    from parallelisms.activation_checkpoint import SACStats, apply_ac
+    from parallelisms.parallelize import parallelize_llama
+
+    dims = ParallelDims(1, -1, 1, dist.get_world_size())
+    dims.build_mesh("cpu")
+    # Tensorwise without float8 all-gather: the weight's max(abs(W)) then runs inside the checkpointed block.
+    model = _build(recipe, fsdp_float8_all_gather=False)
+    stats = SACStats()
+    # AC before parallelize_llama (which then adds none): the same order parallelize_llama uses without TP.
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), stats)
+    float8 = Float8(enable_float8_linear=recipe is not None, recipe_name=recipe)
+    training = Training(mixed_precision_param="bfloat16")  # rowwise float8 matmuls need bf16
+    parallelize_llama(model, dims, training, Parallelism(), ActivationCheckpoint(mode="none"), float8)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    tokens = _batches()[0].chunk(2)[dist.get_rank()]
+    outside = 0  # bytes autograd saves outside the checkpointed blocks (embedding, final norm, output, loss)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal outside
+        outside += t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()  # the recompute must find everything the policy kept
+    return {
+        "kept": {str(op): n for op, n in stats.kept_bytes.items()},
+        "recomputed": {str(op): n for op, n in stats.recomputed.items()},
+        "outside": outside,
+    }
+
+
+def _two_rank_job(cases: list[Case], state_path: str) -> dict[str, Any]:
+    spy = _Spy()
+    out: dict[str, Any] = {case.name: _run_case(case, state_path, spy) for case in cases}
+    out["sac"] = {str(recipe): _sac_run(recipe) for recipe in (None, "rowwise", "tensorwise")}
+    return out
+
+
+def _four_rank_job(cases: list[Case], state_path: str) -> dict[str, Any]:
     spy = _Spy()
     return {case.name: _run_case(case, state_path, spy) for case in cases}
 
@@ -220,13 +262,9 @@ def state_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def _assert_losses(got: list[float], ref: list[float], **tol: float) -> None:
-    assert len(got) == STEPS and ref[0] - ref[-1] > 0.3, ref  # the reference really trains
-    print("MAXDIFF", max(abs(a - b) for a, b in zip(got, ref)), got[-1], ref[-1])
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), **tol)
-
-
-def test_two_ranks_fsdp_tp_float8_match_single_process(state_path: str) -> None:
+@pytest.fixture(scope="module")
+def two_ranks(state_path: str) -> list[dict[str, Any]]:
+    """One spawned group of 2 gloo ranks runs every 2-rank configuration (process start-up dominates)."""
     cases = [
         Case("fsdp", dp_shard=2),
         Case("tp", tp=2),
@@ -235,53 +273,105 @@ def test_two_ranks_fsdp_tp_float8_match_single_process(state_path: str) -> None:
         Case("fsdp_float8_ffn_groups", dp_shard=2, recipe="tensorwise", shard_ffn_first=True),
         Case("tp_float8", tp=2, recipe="tensorwise"),
     ]
-    results = run_distributed(_run_cases, 2, cases, state_path)
-    state = torch.load(state_path)
-    ref = {n: _reference(state, None, n) for n in (1, 2)}
-    ref_fp8 = {n: _reference(state, "tensorwise", n) for n in (1, 2)}
-    for rank_results in results:  # every rank reports the same (dp-averaged) losses
-        r = rank_results
-        _assert_losses(r["fsdp"]["losses"], ref[2], **FP32_TOL)
-        _assert_losses(r["tp"]["losses"], ref[1], **FP32_TOL)
-        _assert_losses(r["tp_gathered_logits"]["losses"], ref[1], **FP32_TOL)
-        _assert_losses(r["fsdp_float8"]["losses"], ref_fp8[2], **FP32_TOL)
-        _assert_losses(r["fsdp_float8_ffn_groups"]["losses"], ref_fp8[2], **FP32_TOL)
-        _assert_losses(r["tp_float8"]["losses"], ref_fp8[1], **FP8_TP_TOL)
-
-    # The float8 all-gather really moves float8 bytes: per block, one byte per Linear weight element plus the
-    # two fp32 norm weights, halved by the 2-way shard (FSDP packs it as a uint8 buffer).
-    hidden = ffn_hidden_dim(ARGS)
-    kv_dim = ARGS.n_kv_heads * ARGS.dim // ARGS.n_heads
-    attn = 2 * ARGS.dim * ARGS.dim + 2 * kv_dim * ARGS.dim
-    ffn = 3 * ARGS.dim * hidden
-    norms = 2 * ARGS.dim
-    gathers = set(results[0]["fsdp_float8"]["fsdp_all_gathers"])
-    assert (torch.uint8, (attn + ffn + 4 * norms) // 2) in gathers, gathers
-    assert all(dtype in (torch.uint8, torch.float32) for dtype, _ in gathers)
-    # With a group of float8 weights only, FSDP's buffer is float8 itself: gloo gets it as uint8.
-    gathers = set(results[0]["fsdp_float8_ffn_groups"]["fsdp_all_gathers"])
-    assert (torch.float8_e4m3fn, ffn // 2) in gathers, gathers
-    assert (torch.uint8, (attn + 4 * norms) // 2) in gathers, gathers
-    # Float8 TP: PrepareFloat8ModuleInput all-gathers float8 activations (attention + FFN input, per block).
-    assert results[0]["tp_float8"]["tp_float8_all_gathers"] >= 2 * ARGS.n_layers
-    assert results[0]["tp"]["tp_float8_all_gathers"] == 0
+    return run_distributed(_two_rank_job, 2, cases, state_path)
 
 
-def test_four_ranks_2d_and_hsdp_match_single_process(state_path: str) -> None:
+@pytest.fixture(scope="module")
+def four_ranks(state_path: str) -> list[dict[str, Any]]:
     cases = [
         Case("fsdp_tp", dp_shard=2, tp=2),
         Case("hsdp", dp_replicate=2, dp_shard=2),
         Case("fsdp_tp_float8", dp_shard=2, tp=2, recipe="tensorwise"),
     ]
-    results = run_distributed(_run_cases, 4, cases, state_path)
+    return run_distributed(_four_rank_job, 4, cases, state_path)
+
+
+@pytest.fixture(scope="module")
+def reference(state_path: str) -> Any:
+    """Single-process losses by (float8 recipe, number of micro-batches), computed once each."""
     state = torch.load(state_path)
-    ref2, ref4 = _reference(state, None, 2), _reference(state, None, 4)
-    ref_fp8 = _reference(state, "tensorwise", 2)
-    for r in results:
-        _assert_losses(r["fsdp_tp"]["losses"], ref2, **FP32_TOL)
-        _assert_losses(r["hsdp"]["losses"], ref4, **FP32_TOL)
-        _assert_losses(r["fsdp_tp_float8"]["losses"], ref_fp8, **FP8_TP_TOL)
-    assert results[0]["fsdp_tp_float8"]["tp_float8_all_gathers"] >= 2 * ARGS.n_layers
+    cache: dict[tuple[str | None, int], list[float]] = {}
+
+    def get(recipe: str | None, n_micro: int) -> list[float]:
+        if (recipe, n_micro) not in cache:
+            cache[recipe, n_micro] = _reference(state, recipe, n_micro)
+        return cache[recipe, n_micro]
+
+    return get
+
+
+def _assert_losses(got: list[float], ref: list[float], **tol: float) -> None:
+    assert len(got) == STEPS and ref[0] - ref[-1] > 0.3, ref  # the reference really trains
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), **tol)
+
+
+def test_fsdp_and_tp_match_single_process(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+    for r in two_ranks:  # every rank reports the same (dp-averaged) losses
+        _assert_losses(r["fsdp"]["losses"], reference(None, 2), **FP32_TOL)
+        _assert_losses(r["tp"]["losses"], reference(None, 1), **FP32_TOL)
+        _assert_losses(r["tp_gathered_logits"]["losses"], reference(None, 1), **FP32_TOL)
+
+
+def test_fsdp_float8_all_gather_with_precompute_matches_single_process_float8(
+    two_ranks: list[dict[str, Any]], reference: Any
+) -> None:
+    for r in two_ranks:
+        _assert_losses(r["fsdp_float8"]["losses"], reference("tensorwise", 2), **FP32_TOL)
+        _assert_losses(r["fsdp_float8_ffn_groups"]["losses"], reference("tensorwise", 2), **FP32_TOL)
+    # The all-gather really moves float8 bytes: per block, one byte per Linear weight element plus the two
+    # fp32 norm weights (4 bytes each), halved by the 2-way shard; FSDP packs that as a uint8 buffer.
+    hidden = ffn_hidden_dim(ARGS)
+    kv_dim = ARGS.n_kv_heads * ARGS.dim // ARGS.n_heads
+    attn = 2 * ARGS.dim * ARGS.dim + 2 * kv_dim * ARGS.dim
+    ffn = 3 * ARGS.dim * hidden
+    norms = 2 * ARGS.dim
+    gathers = set(two_ranks[0]["fsdp_float8"]["fsdp_all_gathers"])
+    assert (torch.uint8, (attn + ffn + 4 * norms) // 2) in gathers, gathers
+    assert all(dtype in (torch.uint8, torch.float32) for dtype, _ in gathers), gathers  # fp32: the root group
+    # A group of float8 weights only (an extra fully_shard per FeedForward): FSDP's buffer is float8 itself,
+    # which gloo cannot move; Float8AsUint8AllGather sends it as uint8.
+    gathers = set(two_ranks[0]["fsdp_float8_ffn_groups"]["fsdp_all_gathers"])
+    assert (torch.float8_e4m3fn, ffn // 2) in gathers, gathers
+    assert (torch.uint8, (attn + 4 * norms) // 2) in gathers, gathers
+
+
+def test_float8_tp_runs_on_gloo_and_matches_single_process_float8(
+    two_ranks: list[dict[str, Any]], reference: Any
+) -> None:
+    for r in two_ranks:
+        _assert_losses(r["tp_float8"]["losses"], reference("tensorwise", 1), **FP8_TP_TOL)
+    # PrepareFloat8ModuleInput all-gathers float8 activations (attention and FFN input, every block and step).
+    assert two_ranks[0]["tp_float8"]["tp_float8_all_gathers"] >= 2 * ARGS.n_layers * STEPS
+    assert two_ranks[0]["tp"]["tp_float8_all_gathers"] == 0
+
+
+def test_fsdp_x_tp_and_hsdp_match_single_process(four_ranks: list[dict[str, Any]], reference: Any) -> None:
+    for r in four_ranks:
+        _assert_losses(r["fsdp_tp"]["losses"], reference(None, 2), **FP32_TOL)
+        _assert_losses(r["hsdp"]["losses"], reference(None, 4), **FP32_TOL)
+        _assert_losses(r["fsdp_tp_float8"]["losses"], reference("tensorwise", 2), **FP8_TP_TOL)
+    assert four_ranks[0]["fsdp_tp_float8"]["tp_float8_all_gathers"] >= 2 * ARGS.n_layers * STEPS
+
+
+def test_per_op_sac_keeps_amax_not_abs(two_ranks: list[dict[str, Any]]) -> None:
+    abs_, max_, amax, mm = "aten.abs.default", "aten.max.default", "aten.amax.default", "aten.mm.default"
+    assert abs_ not in {str(op) for op in SAC_SAVE_LIST}
+    sac = two_ranks[0]["sac"]
+    bf16, rowwise, tensorwise = sac["None"], sac["rowwise"], sac["tensorwise"]
+    for run in (rowwise, tensorwise):
+        assert abs_ not in run["kept"] and run["recomputed"][abs_] > 0, run  # abs ran, and is recomputed
+    assert rowwise["kept"][amax] > 0 and tensorwise["kept"][max_] > 0
+    assert bf16["kept"][mm] > 0 and "aten._scaled_dot_product_flash_attention_for_cpu.default" in bf16["kept"]
+    # 7 mms per block (wq wk wv wo w1 w3 w2): the 2nd, 4th and 6th are recomputed.
+    assert bf16["recomputed"][mm] == 3 * ARGS.n_layers
+    # float8 keeps exactly what bf16 keeps plus its own scale inputs (amax / max outputs), which are tiny.
+    for run in (rowwise, tensorwise):
+        scales = run["kept"].get(amax, 0) + run["kept"].get(max_, 0)
+        total = sum(run["kept"].values()) + run["outside"]
+        assert total - scales <= sum(bf16["kept"].values()) + bf16["outside"], (run, bf16)
+        # One fp32 per row (rowwise) or per tensor (tensorwise): 1.2% of the total at dim 64, 0.5% on the
+        # debug model (docs/parallelisms.md); abs(W) would instead add the size of every weight.
+        assert scales < 0.02 * total, run
 
 
 # ----------------------------------------------------------------------------- config checks (no processes)
@@ -294,7 +384,7 @@ def _dims(tp: int = 1, world: int = 2) -> ParallelDims:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (dict(n_heads=6, n_kv_heads=6, dim=96), "must divide the model's n_heads \\(6\\)"),
+        (dict(n_heads=3, n_kv_heads=3, dim=96), "must divide the model's n_heads \\(3\\)"),
         (dict(n_kv_heads=1), "must divide the model's n_kv_heads \\(1\\)"),
         (dict(multiple_of=3, dim=64), "must divide the model's FFN hidden dim \\(171\\)"),
     ],
@@ -331,3 +421,64 @@ def test_degrees_must_fit_world_size(dims: tuple[int, int, int, int], message: s
 def test_dp_shard_takes_the_rest() -> None:
     dims = ParallelDims(2, -1, 2, 16)
     assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.tp_enabled) == (4, 8, True, True)
+
+
+# ----------------------------------------------------------------------------- the Trainer on 2 ranks
+
+TRAINER_ARGS = [
+    "--job.config_file",
+    str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "3",
+    "--training.seed",
+    "0",
+    "--training.mixed_precision_param",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
+
+
+def _trainer_runs(runs: dict[str, list[str]], folder: str) -> dict[str, list[float]]:
+    from trainer.config import parse_args
+    from trainer.train import Trainer
+
+    losses = {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (name, overrides) in enumerate(runs.items()):
+        if not dist.is_initialized():  # Trainer.close() destroyed the last one; a fresh store per run
+            dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}", rank=rank, world_size=world)
+        trainer = Trainer(parse_args([*TRAINER_ARGS, "--job.dump_folder", f"{folder}/{name}", *overrides]))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        losses[name] = trainer.losses
+    return losses
+
+
+def test_trainer_ac_modes_compile_and_tp_on_two_ranks(tmp_path: Path) -> None:
+    ac = "--activation_checkpoint.mode"
+    opt = "--activation_checkpoint.selective_ac_option"
+    runs = {
+        "none": [ac, "none"],
+        "full": [ac, "full"],
+        "selective_2": [ac, "selective", opt, "2"],
+        "selective_op": [ac, "selective", opt, "op"],
+        "selective_op_compiled": [ac, "selective", opt, "op", "--training.compile"],
+        "tp_selective_op": [ac, "selective", opt, "op", "--parallelism.tensor_parallel_degree", "2"],
+    }
+    losses = run_distributed(_trainer_runs, 2, runs, str(tmp_path))[0]
+    none = losses["none"]
+    assert len(none) == 3 and all(7.0 < x < 9.0 for x in none), none
+    # Recomputation repeats the same fp32 kernels: every AC mode gives the same losses as no AC.
+    for name in ("full", "selective_2", "selective_op"):
+        assert losses[name] == none, (name, losses[name], none)
+    torch.testing.assert_close(torch.tensor(losses["selective_op_compiled"]), torch.tensor(none), rtol=1e-4, atol=1e-4)
+    # TP with loss parallel through the Trainer (one data stream: differs from the FSDP runs' data).
+    tp = losses["tp_selective_op"]
+    assert len(tp) == 3 and all(7.0 < x < 9.0 for x in tp), tp

@@ -16,11 +16,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from float8.converter import build_float8_converter
 from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
+from parallelisms.parallel_dims import ParallelDims, validate_parallelism
+from parallelisms.parallelize import loss_parallel_enabled, parallelize_llama
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
@@ -44,6 +46,7 @@ class Trainer:
             p.tensor_parallel_degree,
             dist.get_world_size(),
         )
+        validate_parallelism(self.parallel_dims, LLAMA3_FLAVORS[cfg.model.flavor], t, p, self.device.type)
         self.parallel_dims.build_mesh(self.device.type)
         dp_degree, dp_rank = self.parallel_dims.dp_degree, self.parallel_dims.dp_mesh.get_local_rank()
         self.grad_accum_steps = self._grad_accum_steps(dp_degree)
@@ -69,7 +72,7 @@ class Trainer:
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {model_args.vocab_size}"
         )
 
-        parallelize_llama(model, self.parallel_dims, t, p, cfg.activation_checkpoint)
+        parallelize_llama(model, self.parallel_dims, t, p, cfg.activation_checkpoint, cfg.float8)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
@@ -81,6 +84,7 @@ class Trainer:
             if not self.parallel_dims.dp_enabled and t.mixed_precision_param == "bfloat16"
             else contextlib.nullcontext()
         )
+        self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
 
         self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -125,8 +129,10 @@ class Trainer:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
         with self.amp:
             logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        (loss / self.grad_accum_steps).backward()
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            (loss / self.grad_accum_steps).backward()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
         return loss.detach()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
