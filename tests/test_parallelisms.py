@@ -123,6 +123,8 @@ class Case:
     recipe: str | None = None  # float8 recipe: None (high precision), tensorwise (+ FSDP float8 all-gather), rowwise
     loss_parallel: bool = True
     shard_ffn_first: bool = False  # an extra fully_shard per FeedForward: groups whose params are all float8
+    compile: bool = False
+    ac: str = "none"  # activation_checkpoint.selective_ac_option ("op", "1", ...) or "none"
 
     @property
     def n_micro(self) -> int:
@@ -168,7 +170,7 @@ def _run_case(case: Case, state_path: str, spy: _Spy) -> dict[str, Any]:
     dims = ParallelDims(case.dp_replicate, case.dp_shard, case.tp, dist.get_world_size())
     dims.build_mesh("cpu")
     model = _build(case.recipe)
-    training = Training(mixed_precision_param="float32")
+    training = Training(mixed_precision_param="float32", compile=case.compile)
     float8 = Float8(
         enable_float8_linear=case.recipe is not None,
         recipe_name=case.recipe,
@@ -179,7 +181,8 @@ def _run_case(case: Case, state_path: str, spy: _Spy) -> dict[str, Any]:
         for block in model.layers.values():
             fully_shard(block.feed_forward, mesh=dims.mesh["dp_shard"])
     parallelism = Parallelism(disable_loss_parallel=not case.loss_parallel)
-    parallelize_llama(model, dims, training, parallelism, ActivationCheckpoint(mode="none"), float8)
+    ac = ActivationCheckpoint(mode="none") if case.ac == "none" else ActivationCheckpoint("selective", case.ac)
+    parallelize_llama(model, dims, training, parallelism, ac, float8)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()  # computes the RoPE buffer; parameters are overwritten next
@@ -236,10 +239,51 @@ def _sac_run(recipe: str | None) -> dict[str, dict[str, int] | int]:
     }
 
 
-def _two_rank_job(cases: list[Case], state_path: str) -> dict[str, Any]:
+# The Trainer end to end (debug model, its data loader) with each AC mode, compile, and TP + loss parallel.
+
+TRAINER_ARGS = [
+    "--job.config_file",
+    str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "3",
+    "--training.seed",
+    "0",
+    "--training.mixed_precision_param",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
+
+
+def _trainer_runs(runs: dict[str, list[str]], folder: str) -> dict[str, list[float]]:
+    from trainer.config import parse_args
+    from trainer.train import Trainer
+
+    losses = {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (name, overrides) in enumerate(runs.items()):
+        if not dist.is_initialized():  # Trainer.close() destroyed the last one; a fresh store per run
+            dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}", rank=rank, world_size=world)
+        trainer = Trainer(parse_args([*TRAINER_ARGS, "--job.dump_folder", f"{folder}/{name}", *overrides]))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        losses[name] = trainer.losses
+    return losses
+
+
+def _two_rank_job(
+    cases: list[Case], state_path: str, trainer_runs: dict[str, list[str]], folder: str
+) -> dict[str, Any]:
     spy = _Spy()
     out: dict[str, Any] = {case.name: _run_case(case, state_path, spy) for case in cases}
     out["sac"] = {str(recipe): _sac_run(recipe) for recipe in (None, "rowwise", "tensorwise")}
+    out["trainer"] = _trainer_runs(trainer_runs, folder)  # last: Trainer.close() ends the process group
     return out
 
 
@@ -263,17 +307,28 @@ def state_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(state_path: str) -> list[dict[str, Any]]:
+def two_ranks(state_path: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One spawned group of 2 gloo ranks runs every 2-rank configuration (process start-up dominates)."""
+    ac, opt = "--activation_checkpoint.mode", "--activation_checkpoint.selective_ac_option"
+    trainer_runs = {
+        "none": [ac, "none"],
+        "full": [ac, "full"],
+        "selective_2": [ac, "selective", opt, "2"],
+        "selective_op": [ac, "selective", opt, "op"],
+        "selective_op_compiled": [ac, "selective", opt, "op", "--training.compile"],
+        "tp_selective_op": [ac, "selective", opt, "op", "--parallelism.tensor_parallel_degree", "2"],
+    }
     cases = [
         Case("fsdp", dp_shard=2),
+        Case("replicate", dp_replicate=2),  # HSDP with shard degree 1: plain data parallelism
         Case("tp", tp=2),
         Case("tp_gathered_logits", tp=2, loss_parallel=False),
         Case("fsdp_float8", dp_shard=2, recipe="tensorwise"),
         Case("fsdp_float8_ffn_groups", dp_shard=2, recipe="tensorwise", shard_ffn_first=True),
         Case("tp_float8", tp=2, recipe="tensorwise"),
     ]
-    return run_distributed(_two_rank_job, 2, cases, state_path)
+    folder = str(tmp_path_factory.mktemp("trainer"))
+    return run_distributed(_two_rank_job, 2, cases, state_path, trainer_runs, folder)
 
 
 @pytest.fixture(scope="module")
@@ -305,9 +360,10 @@ def _assert_losses(got: list[float], ref: list[float], **tol: float) -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), **tol)
 
 
-def test_fsdp_and_tp_match_single_process(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+def test_fsdp_replicate_and_tp_match_single_process(two_ranks: list[dict[str, Any]], reference: Any) -> None:
     for r in two_ranks:  # every rank reports the same (dp-averaged) losses
         _assert_losses(r["fsdp"]["losses"], reference(None, 2), **FP32_TOL)
+        _assert_losses(r["replicate"]["losses"], reference(None, 2), **FP32_TOL)
         _assert_losses(r["tp"]["losses"], reference(None, 1), **FP32_TOL)
         _assert_losses(r["tp_gathered_logits"]["losses"], reference(None, 1), **FP32_TOL)
 
@@ -374,6 +430,19 @@ def test_per_op_sac_keeps_amax_not_abs(two_ranks: list[dict[str, Any]]) -> None:
         assert scales < 0.02 * total, run
 
 
+def test_trainer_ac_modes_compile_and_tp_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
+    losses = two_ranks[0]["trainer"]
+    none = losses["none"]
+    assert len(none) == 3 and all(7.0 < x < 9.0 for x in none), none
+    # Recomputation repeats the same fp32 kernels: every AC mode gives the same losses as no AC.
+    for name in ("full", "selective_2", "selective_op"):
+        assert losses[name] == none, (name, losses[name], none)
+    torch.testing.assert_close(torch.tensor(losses["selective_op_compiled"]), torch.tensor(none), rtol=1e-4, atol=1e-4)
+    # TP with loss parallel through the Trainer (one data stream: differs from the FSDP runs' data).
+    tp = losses["tp_selective_op"]
+    assert len(tp) == 3 and all(7.0 < x < 9.0 for x in tp), tp
+
+
 # ----------------------------------------------------------------------------- config checks (no processes)
 
 
@@ -421,64 +490,3 @@ def test_degrees_must_fit_world_size(dims: tuple[int, int, int, int], message: s
 def test_dp_shard_takes_the_rest() -> None:
     dims = ParallelDims(2, -1, 2, 16)
     assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.tp_enabled) == (4, 8, True, True)
-
-
-# ----------------------------------------------------------------------------- the Trainer on 2 ranks
-
-TRAINER_ARGS = [
-    "--job.config_file",
-    str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"),
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.steps",
-    "3",
-    "--training.seed",
-    "0",
-    "--training.mixed_precision_param",
-    "float32",
-    "--lr_scheduler.warmup_steps",
-    "1",
-]
-
-
-def _trainer_runs(runs: dict[str, list[str]], folder: str) -> dict[str, list[float]]:
-    from trainer.config import parse_args
-    from trainer.train import Trainer
-
-    losses = {}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for i, (name, overrides) in enumerate(runs.items()):
-        if not dist.is_initialized():  # Trainer.close() destroyed the last one; a fresh store per run
-            dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}", rank=rank, world_size=world)
-        trainer = Trainer(parse_args([*TRAINER_ARGS, "--job.dump_folder", f"{folder}/{name}", *overrides]))
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        losses[name] = trainer.losses
-    return losses
-
-
-def test_trainer_ac_modes_compile_and_tp_on_two_ranks(tmp_path: Path) -> None:
-    ac = "--activation_checkpoint.mode"
-    opt = "--activation_checkpoint.selective_ac_option"
-    runs = {
-        "none": [ac, "none"],
-        "full": [ac, "full"],
-        "selective_2": [ac, "selective", opt, "2"],
-        "selective_op": [ac, "selective", opt, "op"],
-        "selective_op_compiled": [ac, "selective", opt, "op", "--training.compile"],
-        "tp_selective_op": [ac, "selective", opt, "op", "--parallelism.tensor_parallel_degree", "2"],
-    }
-    losses = run_distributed(_trainer_runs, 2, runs, str(tmp_path))[0]
-    none = losses["none"]
-    assert len(none) == 3 and all(7.0 < x < 9.0 for x in none), none
-    # Recomputation repeats the same fp32 kernels: every AC mode gives the same losses as no AC.
-    for name in ("full", "selective_2", "selective_op"):
-        assert losses[name] == none, (name, losses[name], none)
-    torch.testing.assert_close(torch.tensor(losses["selective_op_compiled"]), torch.tensor(none), rtol=1e-4, atol=1e-4)
-    # TP with loss parallel through the Trainer (one data stream: differs from the FSDP runs' data).
-    tp = losses["tp_selective_op"]
-    assert len(tp) == 3 and all(7.0 < x < 9.0 for x in tp), tp
