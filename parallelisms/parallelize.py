@@ -7,13 +7,90 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.parallel_dims import ParallelDims
-from trainer.config import ActivationCheckpoint, Parallelism, Training
+from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training
 
 DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def float8_tensorwise_tp(float8: Float8) -> bool:
+    """Tensorwise float8 can all-gather activations in float8; rowwise recipes use the high-precision styles."""
+    return float8.enable_float8_linear and float8.recipe_name in (None, "tensorwise")
+
+
+def _is_float8_linear(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_tensorwise: bool) -> None:
+    """Megatron-style TP with sequence parallel norms (torchtitan's plan).
+
+    Activations between blocks are sharded on the sequence dim (Shard(1)); attention and FFN all-gather them
+    (Replicate), run column-wise then row-wise Linears, and reduce-scatter back to Shard(1).
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            # Loss parallel keeps the logits sharded on the vocab dim: no all-gather of (bs, seq, vocab).
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    if float8_tensorwise:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        from parallelisms.float8_gloo import enable_float8_tp_on_cpu
+
+        if tp_mesh.device_type == "cpu":
+            enable_float8_tp_on_cpu()
+    for block in model.layers.values():
+        plan: dict[str, object] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        for sub, inputs, col, row in (
+            ("attention", (Shard(1), None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis)
+            ("feed_forward", (Shard(1),), ("w1", "w3"), "w2"),
+        ):
+            # float8 styles only where every Linear of the sub-module is Float8Linear (some may be filtered).
+            fp8 = float8_tensorwise and all(_is_float8_linear(block.get_submodule(f"{sub}.{n}")) for n in (*col, row))
+            prepare = PrepareFloat8ModuleInput if fp8 else PrepareModuleInput
+            colwise = Float8ColwiseParallel if fp8 else ColwiseParallel
+            rowwise = Float8RowwiseParallel if fp8 else RowwiseParallel
+            desired = tuple(None if p is None else Replicate() for p in inputs)
+            plan[sub] = prepare(input_layouts=inputs, desired_input_layouts=desired)
+            plan.update({f"{sub}.{n}": colwise() for n in col})
+            plan[f"{sub}.{row}"] = rowwise(output_layouts=Shard(1))
+        parallelize_module(block, tp_mesh, plan)
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Overlap TP collectives with matmuls (inductor's micro-pipeline pass over symmetric memory; CUDA only)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -22,8 +99,14 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
-def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, training: Training, parallelism: Parallelism) -> None:
-    """fully_shard each block, then the root; HSDP (replicate x shard) when dp_replicate > 1."""
+def apply_fsdp(
+    model: nn.Module, parallel_dims: ParallelDims, training: Training, parallelism: Parallelism, float8: Float8
+) -> None:
+    """fully_shard each block, then the root; HSDP (replicate x shard) when dp_replicate > 1.
+
+    With float8 all-gather the float8 conversion has already made each weight a torchao tensor subclass whose
+    FSDP hooks cast the local shard to float8 before the all-gather; nothing else is needed here, except on gloo.
+    """
     mesh = parallel_dims.mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard"]
     mp = MixedPrecisionPolicy(
@@ -36,6 +119,13 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, training: Training
         reshard = {"always": True, "never": False}.get(policy, i < len(blocks) - 1)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
+    if float8.enable_fsdp_float8_all_gather and dp_mesh.device_type == "cpu":
+        # gloo cannot all-gather a float8 buffer (FSDP2 makes one when all of a group's params are float8).
+        from parallelisms.float8_gloo import Float8AsUint8AllGather
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(Float8AsUint8AllGather())
 
 
 def parallelize_llama(
@@ -44,11 +134,21 @@ def parallelize_llama(
     training: Training,
     parallelism: Parallelism,
     ac: ActivationCheckpoint,
+    float8: Float8,
 ) -> None:
+    """Apply TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled)."""
     if parallel_dims.tp_enabled:
-        raise NotImplementedError("tensor parallelism")
+        tp_mesh = parallel_dims.mesh["tp"]
+        apply_tp(model, tp_mesh, not parallelism.disable_loss_parallel, float8_tensorwise_tp(float8))
+        if parallelism.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
     apply_ac(model, ac)
     if training.compile:
         apply_compile(model)
     if parallel_dims.dp_enabled:
-        apply_fsdp(model, parallel_dims, training, parallelism)
+        apply_fsdp(model, parallel_dims, training, parallelism, float8)
+
+
+def loss_parallel_enabled(parallel_dims: ParallelDims, parallelism: Parallelism) -> bool:
+    """Whether logits stay vocab-sharded: the loss must then run under torch's loss_parallel() context."""
+    return parallel_dims.tp_enabled and not parallelism.disable_loss_parallel

@@ -16,11 +16,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from float8.converter import build_float8_converter
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
+from parallelisms.parallel_dims import ParallelDims, validate_parallelism
+from parallelisms.parallelize import loss_parallel_enabled, parallelize_llama
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
@@ -49,6 +51,7 @@ class Trainer:
             p.tensor_parallel_degree,
             dist.get_world_size(),
         )
+        validate_parallelism(self.parallel_dims, LLAMA3_FLAVORS[cfg.model.flavor], t, p, self.device.type)
         self.parallel_dims.build_mesh(self.device.type)
         dp_degree, dp_rank = self.parallel_dims.dp_degree, self.parallel_dims.dp_mesh.get_local_rank()
         self.grad_accum_steps = self._grad_accum_steps(dp_degree)
@@ -72,7 +75,7 @@ class Trainer:
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {model_args.vocab_size}"
         )
 
-        parallelize_llama(model, self.parallel_dims, t, p, cfg.activation_checkpoint)
+        parallelize_llama(model, self.parallel_dims, t, p, cfg.activation_checkpoint, cfg.float8)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
@@ -84,6 +87,7 @@ class Trainer:
             if not self.parallel_dims.dp_enabled and t.mixed_precision_param == "bfloat16"
             else contextlib.nullcontext()
         )
+        self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
 
         self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -145,17 +149,23 @@ class Trainer:
             logits = self.model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
-        loss = self.forward_loss(inputs, labels)
-        (loss / self.grad_accum_steps).backward()
+        with self.loss_context():
+            loss = self.forward_loss(inputs, labels)
+            (loss / self.grad_accum_steps).backward()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
         return loss.detach()
 
     def report_saved_activations(self) -> SavedActivationReport:
         """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
         inputs, labels = next(self.dataloader)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with torch.compiler.set_stance("force_eager"):  # compiled regions would hide their saved tensors
+        with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
             report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
