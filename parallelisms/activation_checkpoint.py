@@ -60,8 +60,13 @@ class SACStats:
                 self.recomputed_numel[func] += args[0].numel()
 
 
-def _sac_policy(stats: SACStats | None = None) -> Callable[..., CheckpointPolicy]:
-    """A policy with its own mm counter: each forward (and its recompute) counts mms from zero."""
+def _sac_policy(
+    stats: SACStats | None = None, save_list: frozenset[Any] = SAC_SAVE_LIST
+) -> Callable[..., CheckpointPolicy]:
+    """A policy with its own mm counter: each forward (and its recompute) counts mms from zero.
+
+    `save_list` is SAC_SAVE_LIST except in tests that prove a wrong list (with abs) is caught.
+    """
     mm_count: defaultdict[str, int] = defaultdict(int)
 
     def decide(ctx: Any, func: Any) -> CheckpointPolicy:
@@ -71,7 +76,7 @@ def _sac_policy(stats: SACStats | None = None) -> Callable[..., CheckpointPolicy
             # Recompute every second mm: halves the mm memory for about a sixth more matmul FLOPs.
             if mm_count[mode] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save_list else CheckpointPolicy.PREFER_RECOMPUTE
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         decision = decide(ctx, func)
@@ -82,9 +87,9 @@ def _sac_policy(stats: SACStats | None = None) -> Callable[..., CheckpointPolicy
     return policy
 
 
-def sac_context_fn(stats: SACStats | None = None) -> tuple[Any, Any]:
+def sac_context_fn(stats: SACStats | None = None, save_list: frozenset[Any] = SAC_SAVE_LIST) -> tuple[Any, Any]:
     """context_fn for torch.utils.checkpoint: fresh forward/recompute contexts for one block call."""
-    return create_selective_checkpoint_contexts(_sac_policy(stats))
+    return create_selective_checkpoint_contexts(_sac_policy(stats, save_list))
 
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, stats: SACStats | None = None) -> None:

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -36,26 +37,26 @@ def _is_float8_linear(module: nn.Module) -> bool:
     return isinstance(module, Float8Linear)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_tensorwise: bool) -> None:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_tensorwise: bool
+) -> dict[str, ParallelStyle]:
     """Megatron-style TP with sequence parallel norms (torchtitan's plan).
 
     Activations between blocks are sharded on the sequence dim (Shard(1)); attention and FFN all-gather them
     (Replicate), run column-wise then row-wise Linears, and reduce-scatter back to Shard(1).
     """
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            # Loss parallel keeps the logits sharded on the vocab dim: no all-gather of (bs, seq, vocab).
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
+    root_plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Loss parallel keeps the logits sharded on the vocab dim: no all-gather of (bs, seq, vocab).
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    parallelize_module(model, tp_mesh, root_plan)
+    applied = dict(root_plan)
     if float8_tensorwise:
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
@@ -67,8 +68,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_
 
         if tp_mesh.device_type == "cpu":
             enable_float8_tp_on_cpu()
-    for block in model.layers.values():
-        plan: dict[str, object] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    for block_name, block in model.layers.items():
+        plan: dict[str, ParallelStyle] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         for sub, inputs, col, row in (
             ("attention", (Shard(1), None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis)
             ("feed_forward", (Shard(1),), ("w1", "w3"), "w2"),
@@ -83,6 +84,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_
             plan.update({f"{sub}.{n}": colwise() for n in col})
             plan[f"{sub}.{row}"] = rowwise(output_layouts=Shard(1))
         parallelize_module(block, tp_mesh, plan)
+        applied |= {f"layers.{block_name}.{k}": v for k, v in plan.items()}
+    return applied
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
@@ -135,11 +138,15 @@ def parallelize_llama(
     parallelism: Parallelism,
     ac: ActivationCheckpoint,
     float8: Float8,
-) -> None:
-    """Apply TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled)."""
+) -> dict[str, ParallelStyle]:
+    """Apply TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled).
+
+    Returns the TP plan applied (module FQN -> style; empty without TP), for the dry run to print.
+    """
+    tp_plan: dict[str, ParallelStyle] = {}
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh["tp"]
-        apply_tp(model, tp_mesh, not parallelism.disable_loss_parallel, float8_tensorwise_tp(float8))
+        tp_plan = apply_tp(model, tp_mesh, not parallelism.disable_loss_parallel, float8_tensorwise_tp(float8))
         if parallelism.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     apply_ac(model, ac)
@@ -147,6 +154,7 @@ def parallelize_llama(
         apply_compile(model)
     if parallel_dims.dp_enabled:
         apply_fsdp(model, parallel_dims, training, parallelism, float8)
+    return tp_plan
 
 
 def loss_parallel_enabled(parallel_dims: ParallelDims, parallelism: Parallelism) -> bool:

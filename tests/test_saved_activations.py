@@ -19,7 +19,7 @@ from trainer.saved_activations import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-WITH_ABS = (*SAVE_LIST, aten.abs.default)
+WITH_ABS = SAVE_LIST | {aten.abs.default}
 
 
 def report(recipe: str | None, save_list: tuple | None = SAVE_LIST) -> SavedActivationReport:

@@ -30,6 +30,7 @@ import torch.nn as nn
 from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize_llama
 from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -83,77 +84,6 @@ def torchao_convert(model: nn.Module, cfg: Float8) -> None:
 
 
 # ----------------------------------------------------------------------------- parallel plan
-
-
-def llama_tp_plan(model: nn.Module, float8: Float8, loss_parallel: bool) -> dict[str, object]:
-    """torchtitan's Llama TP plan with sequence parallel; float8 tensorwise styles all-gather in float8."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    if float8.enable_float8_linear and float8.recipe_name in (None, "tensorwise"):
-        from torchao.float8.float8_tensor_parallel import (
-            Float8ColwiseParallel,
-            Float8RowwiseParallel,
-            PrepareFloat8ModuleInput,
-        )
-
-        colwise, rowwise, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-    plan: dict[str, object] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    for name in model.layers:
-        p = f"layers.{name}."
-        plan |= {
-            p + "attention_norm": SequenceParallel(),
-            p + "attention": prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            p + "attention.wq": colwise(),
-            p + "attention.wk": colwise(),
-            p + "attention.wv": colwise(),
-            p + "attention.wo": rowwise(output_layouts=Shard(1)),
-            p + "ffn_norm": SequenceParallel(),
-            p + "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            p + "feed_forward.w1": colwise(),
-            p + "feed_forward.w2": rowwise(output_layouts=Shard(1)),
-            p + "feed_forward.w3": colwise(),
-        }
-    return plan
-
-
-def interim_parallelize(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    training: Training,
-    parallelism: Parallelism,
-    ac: ActivationCheckpoint,
-    float8: Float8,
-) -> dict[str, object] | None:
-    """TP (plan above) -> block AC -> FSDP, until parallelize_llama does TP and per-op SAC itself."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from parallelisms.activation_checkpoint import apply_ac
-    from parallelisms.parallelize import apply_fsdp
-
-    plan = None
-    if parallel_dims.tp_enabled:
-        plan = llama_tp_plan(model, float8, not parallelism.disable_loss_parallel)
-        parallelize_module(model, parallel_dims.mesh["tp"], plan)
-    if not (ac.mode == "selective" and ac.selective_ac_option == "op"):  # per-op SAC: only reported here
-        apply_ac(model, ac)
-    if parallel_dims.dp_enabled:
-        apply_fsdp(model, parallel_dims, training, parallelism)
-    return plan
 
 
 def _tp_layout(module: nn.Module) -> str | None:
@@ -263,7 +193,7 @@ def dry_run(
         (convert or partial(torchao_convert, cfg=f8))(model)
         n_params, flops = num_params(model), flops_per_token(args, model, t.seq_len)
         float8_lines = _float8_lines(model, linears, f8)  # before AC wrapping renames modules
-        parallelize = parallelize or partial(interim_parallelize, training=t, parallelism=p, ac=ac, float8=f8)
+        parallelize = parallelize or partial(parallelize_llama, training=t, parallelism=p, ac=ac, float8=f8)
         plan = parallelize(model, dims)
         on = {True: "on", False: "off"}
         lines = [
