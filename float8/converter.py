@@ -115,8 +115,9 @@ class Float8Converter:
         ]
         chosen = {d.fqn for d in self.decisions if d.converted}
         convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
-        for mod in model.modules():
-            if isinstance(mod, Float8Linear):
+        for fqn, mod in model.named_modules():
+            if fqn in chosen:
+                assert isinstance(mod, Float8Linear), fqn
                 mod.register_forward_pre_hook(_cast_input_to_autocast_dtype)
 
         skipped: dict[str, list[str]] = {}
@@ -124,10 +125,10 @@ class Float8Converter:
             if not d.converted:
                 skipped.setdefault(d.reason, []).append(d.fqn)
         why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
-        flags = [f for f, on in (("fsdp float8 all-gather", self.config.enable_fsdp_float8_all_gather),
-                                 ("emulate", self.config.emulate)) if on]  # fmt: skip
+        on = [("fsdp float8 all-gather", self.config.enable_fsdp_float8_all_gather), ("emulate", self.config.emulate)]
+        flags = "".join(f" + {name}" for name, enabled in on if enabled)
         logger.info(
-            f"float8 {self.recipe}{' + ' + ', '.join(flags) if flags else ''}: converted {len(chosen)} of "
+            f"float8 {self.recipe}{flags}: converted {len(chosen)} of "
             f"{len(self.decisions)} Linears to Float8Linear; skipped {len(self.decisions) - len(chosen)}"
             + (f": {why}" if why else "")
         )
