@@ -1,22 +1,156 @@
-"""The float8 model converter (seam for the float8 issue): config -> torchao conversion + post-optimizer hook."""
+"""The float8 model converter: `[float8]` config -> torchao Float8LinearConfig -> Float8Linear modules.
+
+The Trainer calls `build_float8_converter(cfg)` before anything heavy (it checks torchao and the GPU), then
+`convert(model)` on the meta-device model before parallelisation, and `post_optimizer_hook(model)` after each
+optimizer step. torchao is imported only inside these calls.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
+from collections import Counter
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 import torch.nn as nn
 
-from trainer.config import ConfigError, Float8
+from float8.validation import check_float8_environment
+from trainer.config import Float8
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+logger = logging.getLogger("kiln")
+
+
+class LinearDecision(NamedTuple):
+    """Whether one nn.Linear became a Float8Linear; `reason` says why not ("" when converted)."""
+
+    fqn: str
+    converted: bool
+    reason: str
+
+
+def too_small_to_gain(recipe: str, in_features: int, out_features: int) -> str | None:
+    """torchao's auto-filter thresholds (`_auto_filter_for_recipe`, torchao 0.18): GEMMs measured on H100 to
+    run no faster in float8 than in bf16, because the casts cost more than the smaller matmul saves.
+
+    K = in_features, N = out_features. Returns the reason to skip, or None. rowwise_with_gw_hp has no
+    torchao thresholds; it runs the rowwise forward/grad_input GEMMs plus a bf16 grad_weight GEMM, so it
+    gains at most what rowwise gains and the rowwise thresholds apply.
+    """
+    k, n = in_features, out_features
+    if recipe == "tensorwise":
+        small = k <= 4096 and n <= 1024
+        rule = "K<=4096 and N<=1024"
+    else:
+        small = n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+        rule = "N<=2048, K<=1024, or N<=4096 and K<=2048"
+    return f"auto filter: {recipe} GEMM K={k} N={n} too small to gain ({rule})" if small else None
+
+
+def decide(fqn: str, linear: nn.Linear, cfg: Float8) -> LinearDecision:
+    """Float8 or not for one Linear, in order: named in filter_fqns, dims not divisible by 16, too small."""
+    matched = [f for f in cfg.filter_fqns if f in fqn]
+    if matched:
+        return LinearDecision(fqn, False, f"filter_fqns '{matched[0]}'")
+    k, n = linear.in_features, linear.out_features
+    if k % 16 or n % 16:  # torch._scaled_mm needs both GEMM dims divisible by 16
+        return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by 16")
+    if cfg.auto_filter_small_kn:
+        reason = too_small_to_gain(cfg.recipe_name or "tensorwise", k, n)
+        if reason:
+            return LinearDecision(fqn, False, reason)
+    return LinearDecision(fqn, True, "")
+
+
+def float8_linear_config(cfg: Float8) -> Float8LinearConfig:
+    """The torchao config: the named recipe (default tensorwise) plus the all-gather and emulate flags."""
+    from torchao.float8 import Float8LinearConfig
+
+    base = Float8LinearConfig.from_recipe_name(cfg.recipe_name or "tensorwise")
+    # validate_float8 has already refused the all-gather with anything but tensorwise scaling.
+    return dataclasses.replace(
+        base, enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=cfg.emulate
+    )
+
+
+def _cast_input_to_autocast_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Forward pre-hook: Float8Linear honours only CUDA autocast when casting its input. Under CPU autocast
+    the input stayed fp32 while grad_output came back bf16, and rowwise_with_gw_hp's high-precision
+    grad_weight GEMM failed on the dtype mismatch. Cast as F.linear would under any device's autocast."""
+    (x,) = args
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return (x.to(torch.get_autocast_dtype(device_type)),)
+    return None
+
+
+def _summarise(fqns: list[str]) -> str:
+    """'layers.*.attention.wk x6' instead of six names: one short line even for 126-layer models."""
+    counts = Counter(re.sub(r"\.\d+\.", ".*.", f) for f in fqns)
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counts.items())
 
 
 class Float8Converter:
+    """Swaps the selected nn.Linear modules for torchao Float8Linear; runs the FSDP amax precompute hook."""
+
     def __init__(self, cfg: Float8) -> None:
         self.cfg = cfg
+        self.recipe = cfg.recipe_name or "tensorwise"
+        self.config = float8_linear_config(cfg)
+        self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
 
     def convert(self, model: nn.Module) -> None:
-        raise ConfigError("float8.enable_float8_linear: float8 training is not implemented yet")
+        """Convert in place (meta device is fine: only shapes are read); log one summary line."""
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
 
-    def post_optimizer_hook(self, model: nn.Module) -> None:
-        pass
+        self.decisions = [
+            decide(fqn, mod, self.cfg)
+            for fqn, mod in model.named_modules()
+            if isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear)
+        ]
+        chosen = {d.fqn for d in self.decisions if d.converted}
+        convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
+        for fqn, mod in model.named_modules():
+            if fqn in chosen:
+                assert isinstance(mod, Float8Linear), fqn
+                mod.register_forward_pre_hook(_cast_input_to_autocast_dtype)
+
+        skipped: dict[str, list[str]] = {}
+        for d in self.decisions:
+            if not d.converted:
+                skipped.setdefault(d.reason, []).append(d.fqn)
+        why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
+        on = [("fsdp float8 all-gather", self.config.enable_fsdp_float8_all_gather), ("emulate", self.config.emulate)]
+        flags = "".join(f" + {name}" for name, enabled in on if enabled)
+        logger.info(
+            f"float8 {self.recipe}{flags}: converted {len(chosen)} of "
+            f"{len(self.decisions)} Linears to Float8Linear; skipped {len(self.decisions) - len(chosen)}"
+            + (f": {why}" if why else "")
+        )
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """After optimizer.step(): one all-reduce of every float8-all-gathered weight's amax, so FSDP casts
+        each weight shard with the global scale without a collective per Linear in the next forward.
+
+        torchao's function only touches Float8Linear weights that are FSDP DTensors of its float8 weight
+        subclass, so it is a no-op on a model without FSDP-sharded float8 weights.
+        """
+        if not self.cfg.precompute_float8_dynamic_scale_for_fsdp:
+            return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        for part in model if isinstance(model, list) else [model]:
+            precompute_float8_dynamic_scale_for_fsdp(part)
 
 
 def build_float8_converter(cfg: Float8) -> Float8Converter | None:
-    return Float8Converter(cfg) if cfg.enable_float8_linear else None
+    """None when float8 is off; otherwise check torchao and the GPUs first (ConfigError, exit 2)."""
+    if not cfg.enable_float8_linear:
+        return None
+    check_float8_environment(cfg)
+    return Float8Converter(cfg)

@@ -157,6 +157,9 @@ class Float8:
     )
     filter_fqns: list[str] = _f(["output"], "Linears whose name contains one of these stay high precision.")
     emulate: bool = _f(False, "Emulate float8 matmuls (CPU tests, GPUs below SM 8.9).")
+    auto_filter_small_kn: bool = _f(
+        False, "Also keep Linears whose GEMM is too small to gain in high precision (torchao's H100 thresholds)."
+    )
     sqnr_log_freq: int = _f(
         0, "Every N steps log each Float8Linear's output SQNR (dB) against a high-precision matmul; 0 = off."
     )
@@ -413,6 +416,9 @@ def validate(cfg: JobConfig) -> None:
     _check(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be > 0, got {m.vocab_size}")
     if cfg.metrics.peak_tflops is not None:
         _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0")
+    from float8.validation import validate_float8  # stdlib only; here to avoid a circular import
+
+    validate_float8(cfg.float8)
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(
             os.path.isfile(cfg.model.tokenizer_path),

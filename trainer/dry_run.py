@@ -7,11 +7,9 @@ Simulated world size = dp_replicate x max(dp_shard, 1) x tp: `data_parallel_shar
 rest") counts as 1, so a TP-only config plans a single TP group; pass an explicit
 `--parallelism.data_parallel_shard_degree N` to plan FSDP over N shards as well.
 
-Two seams, so the real float8 converter and parallelize_llama plug in unchanged:
-- `convert(model)`: float8 conversion of the meta model (default: torchao directly, see `torchao_convert`);
-- `parallelize(model, parallel_dims) -> plan | None`: applies TP/AC/FSDP and may return the TP plan
-  ({fqn: ParallelStyle}); when it returns None, each module's TP layout is read back from its weight's
-  DTensor placement on the `tp` mesh dimension instead (`Shard(0)` = colwise, `Shard(1)` = rowwise).
+It runs the same code as training: float8/'s converter (its per-Linear decisions give the reasons) and
+parallelize_llama (whose returned TP plan gives the styles; each module's weight layout is read back from its
+DTensor placement on the `tp` mesh dimension).
 """
 
 from __future__ import annotations
@@ -20,13 +18,12 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from float8.converter import build_float8_converter
 from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
@@ -34,7 +31,6 @@ from parallelisms.parallelize import parallelize_llama
 from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
-ParallelizeFn = Callable[[nn.Module, ParallelDims], "dict[str, object] | None"]
 
 
 def simulated_world_size(p: Parallelism) -> int:
@@ -52,35 +48,6 @@ def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------- float8
-
-
-def _float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8) -> str | None:
-    """Why a Linear stays high precision under `cfg` (None: it should be float8)."""
-    if not cfg.enable_float8_linear:
-        return "float8.enable_float8_linear is off"
-    hit = next((f for f in cfg.filter_fqns if f in fqn), None)
-    if hit is not None:
-        return f"float8.filter_fqns contains '{hit}'"
-    if linear.in_features % 16 or linear.out_features % 16:
-        return f"dims {linear.in_features}x{linear.out_features} not divisible by 16 (float8 matmul needs it)"
-    return None
-
-
-def torchao_convert(model: nn.Module, cfg: Float8) -> None:
-    """Interim float8 conversion with torchao (the float8/ package's converter replaces it at merge)."""
-    if not cfg.enable_float8_linear:
-        return
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    if cfg.recipe_name is not None:
-        config = Float8LinearConfig.from_recipe_name(cfg.recipe_name)
-    else:
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather)
-    convert_to_float8_training(
-        model,
-        config=config,
-        module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and _float8_skip_reason(fqn, m, cfg) is None,
-    )
 
 
 # ----------------------------------------------------------------------------- parallel plan
@@ -172,9 +139,7 @@ def _init_fake_world(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def dry_run(
-    cfg: JobConfig, convert: Callable[[nn.Module], None] | None = None, parallelize: ParallelizeFn | None = None
-) -> str:
+def dry_run(cfg: JobConfig) -> str:
     """Build on meta under a simulated world, apply `convert` and `parallelize`, return the printed plan."""
     t0 = time.perf_counter()
     p, t, ac, f8 = cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.float8
@@ -189,12 +154,14 @@ def dry_run(
         args = dataclasses.replace(LLAMA3_FLAVORS[cfg.model.flavor], vocab_size=vocab, max_seq_len=t.seq_len)
         with torch.device("meta"):
             model = Transformer(args)
-        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        (convert or partial(torchao_convert, cfg=f8))(model)
+        linear_fqns = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        converter = build_float8_converter(f8)
+        if converter is not None:
+            converter.convert(model)
+        reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
         n_params, flops = num_params(model), flops_per_token(args, model, t.seq_len)
-        float8_lines = _float8_lines(model, linears, f8)  # before AC wrapping renames modules
-        parallelize = parallelize or partial(parallelize_llama, training=t, parallelism=p, ac=ac, float8=f8)
-        plan = parallelize(model, dims)
+        float8_lines = _float8_lines(model, linear_fqns, f8, reasons)  # before AC wrapping renames modules
+        plan = parallelize_llama(model, dims, t, p, ac, f8)
         on = {True: "on", False: "off"}
         lines = [
             f"kiln dry run: llama3 {cfg.model.flavor} (vocab {vocab}: {vocab_source})",
@@ -222,16 +189,17 @@ def _order(row: tuple[str, str, int]) -> tuple[bool, str]:
     return (row[0].startswith("layers."), row[0])
 
 
-def _float8_lines(model: nn.Module, linears: dict[str, nn.Linear], f8: Float8) -> list[str]:
+def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons: dict[str, str]) -> list[str]:
     """Which Linears are Float8Linear, and for the others why not (read from the converted model)."""
     modules = dict(model.named_modules())
     status: dict[str, str] = {}
-    for fqn, linear in linears.items():
+    for fqn in linear_fqns:
         module = modules[fqn]
         if type(module).__name__ == "Float8Linear":
             status[fqn] = f"Float8Linear (weight scaling {module.config.cast_config_weight.scaling_granularity.value})"
         else:
-            status[fqn] = f"high precision: {_float8_skip_reason(fqn, linear, f8) or 'left by the converter'}"
+            why = reasons.get(fqn) or ("float8.enable_float8_linear is off" if not f8.enable_float8_linear else "?")
+            status[fqn] = f"high precision: {why}"
     n_f8 = sum(s.startswith("Float8") for s in status.values())
     recipe = f" (recipe {f8.recipe_name or 'tensorwise'})" if f8.enable_float8_linear else ""
     return [f"float8: {n_f8}/{len(status)} Linears converted{recipe}"] + [

@@ -108,8 +108,10 @@ class MetricsLogger:
         flops_per_token: int,
         tb_dir: str | None,
         is_logging_rank: bool,
+        float8: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.float8 = float8  # also report mfu_fp8, against the float8 peak
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(device, cfg.peak_tflops)
         self.memory = MemoryMonitor(device)
@@ -124,7 +126,8 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(tb_dir)
         if is_logging_rank:
-            logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source})")
+            fp8 = ", mfu_fp8 against the float8 peak" if float8 else ""
+            logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}")
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0
@@ -148,10 +151,15 @@ class MetricsLogger:
         }
         if mfu is not None:
             metrics["mfu"] = mfu
+        mfu_fp8 = None if self.peak.float8 is None else 100.0 * tps * self.flops_per_token / self.peak.float8
+        if self.float8 and mfu_fp8 is not None:
+            metrics["mfu_fp8"] = mfu_fp8
         if self.is_logging_rank:
             steps_per_s = self._steps_since_log / elapsed if self._steps_since_log else 0.0
             eta = (total_steps - step) / steps_per_s if steps_per_s else 0.0
             extra = f"  data: {metrics['data_loading_pct']:.1f}%  eta: {_hms(eta)}"
+            if self.float8:  # how far from the float8 ceiling; mfu itself stays on the bf16 scale
+                extra += "  mfu_fp8: " + ("n/a" if mfu_fp8 is None else f"{mfu_fp8:.2f}%")
             logger.info(
                 format_step_line(
                     step, loss, metrics["memory_gib"], metrics["memory_pct"], tps, mfu, grad_norm, lr, extra

@@ -43,6 +43,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         t = cfg.training
+        # float8's environment checks (torchao version, GPU capability) fail fast, before any process group.
+        self.float8 = build_float8_converter(cfg.float8)
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
         p = cfg.parallelism
         self.parallel_dims = ParallelDims(
@@ -66,7 +68,6 @@ class Trainer:
         model_args = self._model_args(self.tokenizer.n_words)
         with torch.device("meta"):
             model = Transformer(model_args)
-        self.float8 = build_float8_converter(cfg.float8)
         if self.float8 is not None:
             self.float8.convert(model)
         self.flops_per_token = flops_per_token(model_args, model, t.seq_len)
@@ -108,7 +109,9 @@ class Trainer:
 
         self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
-        self.metrics = MetricsLogger(cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank)
+        self.metrics = MetricsLogger(
+            cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
+        )
         self.losses: list[float] = []  # losses of logged steps, for tests and callers
         self._float8_verified = False  # float8 flags are checked once, at the first step
 
