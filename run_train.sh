@@ -14,6 +14,8 @@ fi
 LOG_RANK=${LOG_RANK:-0}
 
 export LOG_RANK
+# Config mistakes: one line and exit 2 here, before torchrun starts any rank.
+python -c 'import sys, train; sys.exit(train.check_config(sys.argv[1:]))' --job.config_file "${CONFIG_FILE}" "$@"
 exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     train.py --job.config_file "${CONFIG_FILE}" "$@"

@@ -13,6 +13,19 @@ def _setup_logging() -> None:
     )
 
 
+def check_config(argv: list[str]) -> int:
+    """Validate the config only (standard library, instant): run_train.sh calls it before torchrun, whose
+    launcher would otherwise turn a one-line config error into exit 1 and a traceback per rank."""
+    from trainer.config import ConfigError, parse_args
+
+    try:
+        parse_args(argv)
+    except ConfigError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, parse_args, to_toml
 

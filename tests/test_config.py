@@ -127,3 +127,13 @@ def test_garbage_tokenizer_file_exits_2(tmp_path: Path) -> None:
 def test_config_import_is_light() -> None:
     code = "import sys, trainer.config; assert 'torch' not in sys.modules, 'config imports torch'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_run_train_sh_reports_config_errors_before_torchrun() -> None:
+    proc = subprocess.run(
+        ["bash", "run_train.sh", "--training.stpes", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kiln: error: --training.stpes: unknown key 'training.stpes'; did you mean 'training.steps'?"
+    ]
