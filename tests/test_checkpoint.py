@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import train as train_entry
 from models import LLAMA3_FLAVORS, ModelArgs
+from tests.common import tiny_run_args
 from trainer.checkpoint import CheckpointManager, read_metadata
 from trainer.config import Checkpoint, ConfigError, parse_args
 from trainer.train import Trainer
@@ -25,19 +26,7 @@ from trainer.train import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 DRIVER = str(ROOT / "tests" / "ckpt_driver.py")
-TINY = [
-    "--job.config_file",
-    DEBUG,
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.mixed_precision_param",
-    "float32",
-    "--training.deterministic",
-    "--activation_checkpoint.mode",
-    "none",
-]
+TINY = tiny_run_args("--training.deterministic")
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000)
 
 

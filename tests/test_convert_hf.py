@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer
 from models.args import ffn_hidden_dim
+from tests.common import tiny_run_args
 from trainer.config import parse_args
 from trainer.train import Trainer
 
@@ -137,19 +138,7 @@ def small_debugmodel(monkeypatch: pytest.MonkeyPatch):
 def test_cli_trainer_checkpoint_to_hf_and_back(tmp_path: Path, small_debugmodel: None, capsys) -> None:
     from safetensors.torch import load_file
 
-    base = [
-        "--job.config_file",
-        str(ROOT / "train_configs" / "debug_model.toml"),
-        "--training.seq_len",
-        "32",
-        "--training.local_batch_size",
-        "2",
-        "--training.mixed_precision_param",
-        "float32",
-        "--activation_checkpoint.mode",
-        "none",
-        "--checkpoint.enable_checkpoint",
-    ]
+    base = tiny_run_args("--checkpoint.enable_checkpoint")
     trainer = Trainer(parse_args([*base, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1"]))
     trainer.train()
     trainer.close()

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from float8.converter import Float8Converter, build_float8_converter, too_small_to_gain
 from models import LLAMA3_FLAVORS, Transformer
+from tests.common import tiny_run_args
 from trainer.config import ConfigError, Float8, parse_args
 from trainer.train import Trainer
 
@@ -415,27 +416,11 @@ def _fsdp_precompute_rank(rank: int, world: int, port: int, dump: str, results: 
     from torch.distributed.tensor import DTensor
 
     cfg = parse_args(
-        [
-            "--job.config_file",
-            DEBUG,
-            "--job.dump_folder",
-            dump,
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            "--training.steps",
-            "3",
-            "--training.seed",
-            "0",
-            "--training.mixed_precision_param",
-            "float32",
-            "--activation_checkpoint.mode",
-            "none",
-            "--float8.enable_float8_linear",
-            "--float8.enable_fsdp_float8_all_gather",
+        tiny_run_args(
+            *("--job.dump_folder", dump, "--training.steps", "3", "--training.seed", "0"),
+            *("--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"),
             "--float8.precompute_float8_dynamic_scale_for_fsdp",
-        ]
+        )
     )
     trainer = Trainer(cfg)
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from models import ModelArgs, Transformer
 from models.args import ffn_hidden_dim
 from parallelisms.activation_checkpoint import SAC_SAVE_LIST
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
+from tests.common import tiny_run_args
 from tests.distributed import run_distributed
 from trainer.config import ActivationCheckpoint, ConfigError, Float8, Parallelism, Training
 
@@ -241,22 +241,9 @@ def _sac_run(recipe: str | None) -> dict[str, dict[str, int] | int]:
 
 # The Trainer end to end (debug model, its data loader) with each AC mode, compile, and TP + loss parallel.
 
-TRAINER_ARGS = [
-    "--job.config_file",
-    str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"),
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.steps",
-    "3",
-    "--training.seed",
-    "0",
-    "--training.mixed_precision_param",
-    "float32",
-    "--lr_scheduler.warmup_steps",
-    "1",
-]
+TRAINER_ARGS = tiny_run_args(
+    "--training.steps", "3", "--training.seed", "0", "--lr_scheduler.warmup_steps", "1", ac="selective"
+)
 
 
 def _trainer_runs(runs: dict[str, list[str]], folder: str) -> dict[str, list[float]]:
