@@ -477,3 +477,11 @@ def test_degrees_must_fit_world_size(dims: tuple[int, int, int, int], message: s
 def test_dp_shard_takes_the_rest() -> None:
     dims = ParallelDims(2, -1, 2, 16)
     assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.tp_enabled) == (4, 8, True, True)
+
+
+def test_tp_compile_without_fsdp_is_refused_on_cpu() -> None:
+    compiled = Training(seq_len=32, compile=True)
+    with pytest.raises(ConfigError, match=r"tensor parallel \+ training.compile without FSDP fails in backward on CPU"):
+        validate_parallelism(_dims(tp=2), ARGS, compiled, Parallelism(), "cpu")
+    validate_parallelism(ParallelDims(1, 2, 2, 4), ARGS, compiled, Parallelism(), "cpu")  # with FSDP: fine
+    validate_parallelism(_dims(tp=2), ARGS, compiled, Parallelism(), "cuda")  # not known to fail on CUDA
