@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import torch.nn as nn
 from float8.converter import Float8Converter, build_float8_converter, too_small_to_gain
 from models import LLAMA3_FLAVORS, Transformer
 from tests.common import tiny_run_args
+from tests.distributed import run_distributed
 from trainer.config import ConfigError, Float8, parse_args
 from trainer.train import Trainer
 
@@ -410,9 +410,7 @@ def test_precompute_hook_is_a_noop_without_fsdp_sharded_weights() -> None:
     assert all(p._precomputed_scale is None for p in model.parameters())
 
 
-def _fsdp_precompute_rank(rank: int, world: int, port: int, dump: str, results: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _fsdp_precompute_rank(dump: str) -> tuple[int, list[float]]:
     from torch.distributed.tensor import DTensor
 
     cfg = parse_args(
@@ -436,7 +434,7 @@ def _fsdp_precompute_rank(rank: int, world: int, port: int, dump: str, results: 
             full_amax = w.full_tensor().abs().max().double().clamp(min=1e-12)
             torch.testing.assert_close(scale, (fp8_max / full_amax).float(), rtol=1e-6, atol=0)
             checked += 1
-        results[rank] = (checked, trainer.losses)
+        return checked, trainer.losses
     finally:
         trainer.close()
 
@@ -444,13 +442,6 @@ def _fsdp_precompute_rank(rank: int, world: int, port: int, dump: str, results: 
 def test_precompute_hook_sets_global_scales_under_fsdp(tmp_path: Path) -> None:
     """2 gloo ranks, FSDP2 with float8 all-gather: after each step every shard's precomputed scale is the
     scale of the whole (unsharded) weight, i.e. the hook ran and all-reduced the amaxes."""
-    import torch.multiprocessing as mp
-
-    from trainer.dist import _free_port
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_fsdp_precompute_rank, args=(2, _free_port(), str(tmp_path), results), nprocs=2)
-        results = dict(results)
+    results = run_distributed(_fsdp_precompute_rank, 2, str(tmp_path))
     assert results[0][0] == results[1][0] == 42
     assert results[0][1] == results[1][1] and all(math.isfinite(x) for x in results[0][1])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.distributed import run_distributed
 from tests.sac_helpers import LAYERS, SAVE_LIST, aten, batch, debug_model, loss_fn
 from trainer.saved_activations import (
     SavedActivationReport,
@@ -78,11 +78,9 @@ def test_abs_in_save_list_is_caught(bf16_report: SavedActivationReport) -> None:
 # ----------------------------------------------------------------------------- 2 ranks, FSDP2, float8 rowwise
 
 
-def _fsdp_rank(rank: int, port: int, out: dict) -> None:
+def _fsdp_rank() -> dict[str, tuple]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
     totals = {}
     for name, save_list in (("torchtitan", SAVE_LIST), ("with_abs", WITH_ABS)):
         model = debug_model("rowwise", save_list)
@@ -91,21 +89,14 @@ def _fsdp_rank(rank: int, port: int, out: dict) -> None:
             fully_shard(block, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
         # FSDP's MixedPrecisionPolicy casts to bf16 (rowwise _scaled_mm needs bf16): no autocast.
-        r = measure_saved_activations(model, loss_fn(model, batch(seed=rank), autocast=False))
+        r = measure_saved_activations(model, loss_fn(model, batch(seed=dist.get_rank()), autocast=False))
         totals[name] = (r.total_bytes, r.bytes_of("aten.abs"), r.bytes_of("aten.amax"), check_ops_not_saved(r))
-    out[rank] = totals
-    dist.destroy_process_group()
+    return totals
 
 
 def test_fsdp_two_ranks_rowwise_per_op_sac() -> None:
-    from trainer.dist import _free_port
-
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_fsdp_rank, args=(_free_port(), out), nprocs=2)
-        results = dict(out)
-    for rank in (0, 1):
-        good, bad = results[rank]["torchtitan"], results[rank]["with_abs"]
+    for totals in run_distributed(_fsdp_rank, 2):
+        good, bad = totals["torchtitan"], totals["with_abs"]
         assert good[1] == 0 and good[3] == [] and good[2] > 0, good  # no abs rows, amax rows
         # abs(W) of the unsharded bf16 weights (FSDP param_dtype) appears only with abs in the list.
         assert bad[1] > 0 and len(bad[3]) == 1, bad
