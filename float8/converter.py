@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kiln")
 
 
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether `module` is torchao's Float8Linear; by class name, so asking never imports torchao."""
+    return type(module).__name__ == "Float8Linear"
+
+
 class LinearDecision(NamedTuple):
     """Whether one nn.Linear became a Float8Linear; `reason` says why not ("" when converted)."""
 

@@ -19,22 +19,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from float8.converter import is_float8_linear
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.parallel_dims import ParallelDims
 from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training
-
-DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def float8_tensorwise_tp(float8: Float8) -> bool:
     """Tensorwise float8 can all-gather activations in float8; rowwise recipes use the high-precision styles."""
     return float8.enable_float8_linear and float8.recipe_name in (None, "tensorwise")
-
-
-def _is_float8_linear(module: nn.Module) -> bool:
-    from torchao.float8.float8_linear import Float8Linear
-
-    return isinstance(module, Float8Linear)
 
 
 def apply_tp(
@@ -75,7 +68,7 @@ def apply_tp(
             ("feed_forward", (Shard(1),), ("w1", "w3"), "w2"),
         ):
             # float8 styles only where every Linear of the sub-module is Float8Linear (some may be filtered).
-            fp8 = float8_tensorwise and all(_is_float8_linear(block.get_submodule(f"{sub}.{n}")) for n in (*col, row))
+            fp8 = float8_tensorwise and all(is_float8_linear(block.get_submodule(f"{sub}.{n}")) for n in (*col, row))
             prepare = PrepareFloat8ModuleInput if fp8 else PrepareModuleInput
             colwise = Float8ColwiseParallel if fp8 else ColwiseParallel
             rowwise = Float8RowwiseParallel if fp8 else RowwiseParallel
@@ -113,7 +106,9 @@ def apply_fsdp(
     mesh = parallel_dims.mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard"]
     mp = MixedPrecisionPolicy(
-        param_dtype=DTYPE[training.mixed_precision_param], reduce_dtype=DTYPE[training.mixed_precision_reduce]
+        # The config's choices are torch dtype names.
+        param_dtype=getattr(torch, training.mixed_precision_param),
+        reduce_dtype=getattr(torch, training.mixed_precision_reduce),
     )
     policy = parallelism.fsdp_reshard_after_forward
     blocks = list(model.layers.values())

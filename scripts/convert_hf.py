@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 from models.args import LLAMA3_FLAVORS, ModelArgs, ffn_hidden_dim  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch attribute names
 # Llama 3.1 RoPE scaling, as hard-coded in models/llama3.py (_apply_rope_scaling).
 ROPE_SCALING = {
     "rope_type": "llama3",
@@ -248,7 +248,7 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str | None, flavor: str | None) 
     sd, args = load_kiln_weights(path, flavor)
     hf = kiln_to_hf(sd, args)
     if dtype is not None:
-        hf = {k: v.to(DTYPES[dtype]) for k, v in hf.items()}
+        hf = {k: v.to(getattr(torch, dtype)) for k, v in hf.items()}
     os.makedirs(out_dir, exist_ok=True)
     save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     saved_dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("to_hf", help="kiln DCP checkpoint -> HF model.safetensors + config.json")
     p.add_argument("checkpoint")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast weights (default: as saved)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as saved)")
     p.add_argument("--flavor", choices=list(LLAMA3_FLAVORS), default=None, help="model shape if no kiln.json")
     p = sub.add_parser("from_hf", help="HF Llama folder -> weights-only kiln checkpoint FOLDER/step-N")
     p.add_argument("hf_dir")

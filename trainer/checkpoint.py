@@ -46,7 +46,6 @@ MODEL, OPTIMIZER, DATALOADER, TRAIN_STATE = "model", "optimizer", "dataloader", 
 MARKER = "kiln.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by FQN: layout-independent
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def step_dir(folder: str, step: int) -> str:
@@ -314,7 +313,8 @@ class CheckpointManager:
         dtype = self.cfg.export_dtype if weights_only else "float32"
         sd = self._state_dict(weights_only)
         if weights_only and dtype != "float32":
-            sd = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in sd.items()}
+            # checkpoint.export_dtype's choices are torch dtype names
+            sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
         tmp = step_dir(self.folder, step) + ".tmp"
         if background:
             kwargs = {"async_stager": self._stager} if self._stager is not None else {}

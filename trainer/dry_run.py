@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from float8.converter import build_float8_converter
+from float8.converter import build_float8_converter, is_float8_linear
 from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
@@ -195,7 +195,7 @@ def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons:
     status: dict[str, str] = {}
     for fqn in linear_fqns:
         module = modules[fqn]
-        if type(module).__name__ == "Float8Linear":
+        if is_float8_linear(module):
             status[fqn] = f"Float8Linear (weight scaling {module.config.cast_config_weight.scaling_granularity.value})"
         else:
             why = reasons.get(fqn) or ("float8.enable_float8_linear is off" if not f8.enable_float8_linear else "?")

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from float8.converter import is_float8_linear
 from trainer.config import ConfigError, Float8
 
 logger = logging.getLogger("kiln")
@@ -45,7 +46,7 @@ def _float8_all_gather_itemsizes(model: nn.Module) -> dict[str, int]:
     tensorwise scaling that computes the weight amax with one all-reduce, so call it on every rank.
     """
     sizes: dict[str, int] = {}
-    float8_modules = {id(m): n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    float8_modules = {id(m): n for n, m in model.named_modules() if is_float8_linear(m)}
     for module in model.modules():
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
         for group in getattr(state, "_fsdp_param_groups", None) or []:
@@ -62,7 +63,7 @@ def verify_float8_in_use(model: nn.Module, cfg: Float8, scaled_mm_calls: int, fs
     if not cfg.enable_float8_linear:
         return []
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    float8 = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    float8 = [n for n, m in model.named_modules() if is_float8_linear(m)]
     if not float8:
         raise ConfigError(
             f"float8.enable_float8_linear is set but none of the {len(linears)} Linears is a Float8Linear "

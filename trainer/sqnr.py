@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from float8.converter import is_float8_linear
+
 logger = logging.getLogger("kiln")
 
 
@@ -40,9 +42,7 @@ class Float8SQNRMonitor:
         self.sqnr: dict[str, float] = {}
         self.skipped: set[str] = set()
         self.handles = [
-            m.register_forward_hook(self._hook(name))
-            for name, m in model.named_modules()
-            if type(m).__name__ == "Float8Linear"
+            m.register_forward_hook(self._hook(name)) for name, m in model.named_modules() if is_float8_linear(m)
         ]
 
     def _hook(self, name: str):  # noqa: ANN202
