@@ -16,18 +16,20 @@ def _setup_logging() -> None:
 def check_config(argv: list[str]) -> int:
     """Validate the config only (standard library, instant): run_train.sh calls it before torchrun, whose
     launcher would otherwise turn a one-line config error into exit 1 and a traceback per rank."""
-    from trainer.config import ConfigError, parse_args
+    from trainer.config import parse_args
+    from trainer.errors import UserError
 
     try:
         parse_args(argv)
-    except ConfigError as e:
+    except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.config import ConfigError, parse_args, to_toml
+    from trainer.config import parse_args, to_toml
+    from trainer.errors import UserError
 
     _setup_logging()
     try:
@@ -36,20 +38,20 @@ def main(argv: list[str] | None = None) -> int:
             print(to_toml(cfg))
             return 0
         if cfg.job.dry_run:
-            from trainer.dry_run import dry_run
+            from trainer.tools.dry_run import dry_run
 
             print(dry_run(cfg))
             return 0
-        from trainer.guards import NonFiniteError
+        from trainer.tools.guards import NonFiniteError
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
         trainer = Trainer(cfg)
-    except ConfigError as e:
+    except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     try:
         trainer.train()
-    except ConfigError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1
+    except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -65,7 +65,7 @@ def decide(fqn: str, linear: nn.Linear, cfg: Float8) -> LinearDecision:
     if k % 16 or n % 16:  # torch._scaled_mm needs both GEMM dims divisible by 16
         return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by 16")
     if cfg.auto_filter_small_kn:
-        reason = too_small_to_gain(cfg.recipe_name or "tensorwise", k, n)
+        reason = too_small_to_gain(cfg.recipe, k, n)
         if reason:
             return LinearDecision(fqn, False, reason)
     return LinearDecision(fqn, True, "")
@@ -75,7 +75,7 @@ def float8_linear_config(cfg: Float8) -> Float8LinearConfig:
     """The torchao config: the named recipe (default tensorwise) plus the all-gather and emulate flags."""
     from torchao.float8 import Float8LinearConfig
 
-    base = Float8LinearConfig.from_recipe_name(cfg.recipe_name or "tensorwise")
+    base = Float8LinearConfig.from_recipe_name(cfg.recipe)
     # validate_float8 has already refused the all-gather with anything but tensorwise scaling.
     return dataclasses.replace(
         base, enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=cfg.emulate
@@ -104,7 +104,7 @@ class Float8Converter:
 
     def __init__(self, cfg: Float8) -> None:
         self.cfg = cfg
-        self.recipe = cfg.recipe_name or "tensorwise"
+        self.recipe = cfg.recipe
         self.config = float8_linear_config(cfg)
         self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
 

@@ -60,9 +60,7 @@ class SACStats:
                 self.recomputed_numel[func] += args[0].numel()
 
 
-def _sac_policy(
-    stats: SACStats | None = None, save_list: frozenset[Any] = SAC_SAVE_LIST
-) -> Callable[..., CheckpointPolicy]:
+def _sac_policy(stats: SACStats | None, save_list: frozenset[Any]) -> Callable[..., CheckpointPolicy]:
     """A policy with its own mm counter: each forward (and its recompute) counts mms from zero.
 
     `save_list` is SAC_SAVE_LIST except in tests that prove a wrong list (with abs) is caught.
@@ -87,21 +85,27 @@ def _sac_policy(
     return policy
 
 
-def sac_context_fn(stats: SACStats | None = None, save_list: frozenset[Any] = SAC_SAVE_LIST) -> tuple[Any, Any]:
-    """context_fn for torch.utils.checkpoint: fresh forward/recompute contexts for one block call."""
-    return create_selective_checkpoint_contexts(_sac_policy(stats, save_list))
+def sac_context_fn(stats: SACStats | None = None, save_list: frozenset[Any] | None = None) -> tuple[Any, Any]:
+    """context_fn for torch.utils.checkpoint: fresh forward/recompute contexts for one block call.
+
+    `save_list` None means SAC_SAVE_LIST, looked up at call time (a default argument would bind it once).
+    """
+    return create_selective_checkpoint_contexts(_sac_policy(stats, SAC_SAVE_LIST if save_list is None else save_list))
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, stats: SACStats | None = None) -> None:
+def apply_ac(
+    model: nn.Module, cfg: ActivationCheckpoint, stats: SACStats | None = None, save_list: frozenset[Any] | None = None
+) -> None:
     """Wrap transformer blocks in model.layers so their activations are recomputed in backward.
 
-    With per-op SAC, `stats` (if given) collects what the policy kept and left to recompute (tests, reports).
+    With per-op SAC, `stats` (if given) collects what the policy kept and left to recompute (tests, reports);
+    `save_list` replaces SAC_SAVE_LIST (scripts/measure_sac.py's what-if flags, tests of a wrong list).
     """
     if cfg.mode == "none":
         return
     per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
     every = 1 if cfg.mode == "full" or per_op else int(cfg.selective_ac_option)
-    kwargs = {"context_fn": partial(sac_context_fn, stats)} if per_op else {}
+    kwargs = {"context_fn": partial(sac_context_fn, stats, save_list)} if per_op else {}
     for i, (name, block) in enumerate(model.layers.named_children()):
         if i % every == 0:
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))

@@ -177,7 +177,7 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
 
 def resolve_step_dir(path: str) -> str:
     """A DCP step folder, or the latest complete step of a checkpoint folder."""
-    from trainer.checkpoint import complete_steps, step_dir
+    from trainer.components.checkpoint import complete_steps, step_dir
 
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
@@ -192,7 +192,7 @@ def load_kiln_weights(path: str, flavor: str | None = None) -> tuple[dict[str, t
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainer.checkpoint import MARKER, is_model_key, read_metadata
+    from trainer.components.checkpoint import MARKER, is_model_key, read_metadata
 
     md = read_metadata(path)
     sd = {
@@ -226,7 +226,7 @@ def save_kiln_weights(sd: dict[str, torch.Tensor], args: ModelArgs, folder: str,
     """Write a weights-only kiln checkpoint folder/step-N (atomically: .tmp, marker, rename)."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import MARKER, step_dir
+    from trainer.components.checkpoint import MARKER, step_dir
 
     final = step_dir(folder, step)
     if os.path.exists(final):

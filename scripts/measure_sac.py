@@ -37,10 +37,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
 
+    save_list = ac.SAC_SAVE_LIST
     if a.no_amax:
-        ac.SAC_SAVE_LIST = ac.SAC_SAVE_LIST - {torch.ops.aten.amax.default}
+        save_list = save_list - {torch.ops.aten.amax.default}
     if a.save_abs:
-        ac.SAC_SAVE_LIST = ac.SAC_SAVE_LIST | {torch.ops.aten.abs.default}
+        save_list = save_list | {torch.ops.aten.abs.default}
     stats = ac.SACStats()
     args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256, max_seq_len=a.seq_len)
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ def main() -> None:
     with torch.no_grad():
         model.init_weights()
     model.to(torch.bfloat16)  # rowwise float8 matmuls produce bf16
-    ac.apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), stats)
+    ac.apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), stats, save_list)
     tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len))
 
     outside = 0

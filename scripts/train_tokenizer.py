@@ -26,7 +26,7 @@ DEFAULT_CORPUS = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
 DEFAULT_OUTPUT = ROOT / "assets" / "tokenizer" / "tokenizer.model"
 DEFAULT_VOCAB_SIZE = 2000
 
-# Llama3's pre-tokenization pattern (same string as trainer/tokenizer.py uses for encoding).
+# Llama3's pre-tokenization pattern (same string as trainer/components/tokenizer.py uses for encoding).
 PAT_STR = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

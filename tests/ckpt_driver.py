@@ -19,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainer.components.checkpoint import CheckpointManager  # noqa: E402
 from trainer.config import parse_args  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import train as train_entry
 from models import LLAMA3_FLAVORS, ModelArgs
 from tests.common import tiny_run_args
-from trainer.checkpoint import CheckpointManager, read_metadata
+from trainer.components.checkpoint import CheckpointManager, read_metadata
 from trainer.config import Checkpoint, ConfigError, parse_args
 from trainer.train import Trainer
 
@@ -227,7 +227,7 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from models import Transformer
-    from trainer.dist import init_distributed
+    from trainer.components.dist import init_distributed
 
     init_distributed(60)
     args = ModelArgs(**{**SMALL.__dict__, "vocab_size": 256, "max_seq_len": 16})

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.components.data import build_dataloader
+from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
-from trainer.data import build_dataloader
-from trainer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = Tokenizer(str(ROOT / "assets" / "tokenizer" / "tokenizer.model"))

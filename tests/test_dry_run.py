@@ -12,8 +12,8 @@ from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from tests.sac_helpers import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
 from trainer.config import ActivationCheckpoint, Training, parse_args
-from trainer.dry_run import dry_run, memory_estimate
-from trainer.saved_activations import measure_saved_activations
+from trainer.tools.dry_run import dry_run, memory_estimate
+from trainer.tools.saved_activations import measure_saved_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,3 +61,24 @@ def test_activation_estimate_matches_report(save_list: frozenset | None) -> None
     assert abs(est["activations (one micro-batch)"] / activations - 1) < 0.2, (est, activations)
     n = sum(p.numel() for p in model.parameters())
     assert est["params (fp32)"] == 4 * n and est["optimizer (AdamW m+v fp32)"] == 8 * n
+
+
+@pytest.mark.parametrize("overrides", [[], ["--model.n_layers", "2", "--model.vocab_size", "4096"]])
+def test_dry_run_plans_the_model_the_trainer_builds(overrides: list[str], tmp_path: Path) -> None:
+    """One build path: the dry run's parameter count and layer count equal the Trainer's for the same config,
+    including the model.n_layers / vocab_size overrides that an earlier, separate dry-run build ignored."""
+    import re
+
+    from trainer.train import Trainer
+
+    base = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *overrides]
+    base += ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "1"]
+    plan = dry_run(parse_args([*base, "--job.dry_run"]))
+    planned = int(re.search(r"parameters: ([\d,]+)", plan).group(1).replace(",", ""))
+    layers = int(re.search(r", (\d+) layers", plan).group(1))
+    trainer = Trainer(parse_args(base))
+    try:
+        assert (planned, layers) == (trainer.n_params, len(trainer.model.layers))
+    finally:
+        trainer.close()
+    assert layers == (2 if overrides else LLAMA3_FLAVORS["debugmodel"].n_layers)

@@ -12,10 +12,10 @@ import torch.nn as nn
 
 import train
 import trainer.train as trainer_module
+from float8.checks import ScaledMMCounter, verify_float8_in_use
 from tests.sac_helpers import batch, debug_model, loss_fn
+from trainer.components.dist import _free_port
 from trainer.config import ConfigError, Float8
-from trainer.dist import _free_port
-from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 ON = Float8(enable_float8_linear=True)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import train
+from float8.sqnr import Float8SQNRMonitor
 from scripts.compare_runs import main as compare_main
 from tests.sac_helpers import batch, debug_model, loss_fn
 from trainer.config import parse_args
-from trainer.guards import NonFiniteError, last_checkpoint
-from trainer.sqnr import Float8SQNRMonitor
+from trainer.tools.guards import NonFiniteError, last_checkpoint
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_distributed
 from tests.sac_helpers import LAYERS, SAVE_LIST, aten, batch, debug_model, loss_fn
-from trainer.saved_activations import (
+from trainer.tools.saved_activations import (
     SavedActivationReport,
     check_float8_overhead,
     check_ops_not_saved,

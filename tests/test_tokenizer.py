@@ -1,4 +1,4 @@
-"""Tests for the bundled tokenizer, trainer.tokenizer.Tokenizer and scripts/train_tokenizer.py."""
+"""Tests for the bundled tokenizer, trainer.components.tokenizer.Tokenizer and scripts/train_tokenizer.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from trainer.tokenizer import SPECIAL_TOKENS, Tokenizer
+from trainer.components.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_PATH = ROOT / "assets" / "tokenizer" / "tokenizer.model"

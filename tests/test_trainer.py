@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.components.metrics import format_step_line, peak_flops
+from trainer.components.optim import lr_factor
 from trainer.config import parse_args
-from trainer.metrics import format_step_line, peak_flops
-from trainer.optim import lr_factor
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,9 +22,9 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from trainer.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A mistake in the user's configuration; reported as one line, exit status 2."""
+__all__ = ["ConfigError", "JobConfig", "parse_args", "to_toml", "format_help"]
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -163,6 +163,11 @@ class Float8:
     sqnr_log_freq: int = _f(
         0, "Every N steps log each Float8Linear's output SQNR (dB) against a high-precision matmul; 0 = off."
     )
+
+    @property
+    def recipe(self) -> str:
+        """The recipe in effect: an unset recipe_name means tensorwise scaling."""
+        return self.recipe_name or "tensorwise"
 
 
 @dataclass
@@ -416,9 +421,7 @@ def validate(cfg: JobConfig) -> None:
     _check(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be > 0, got {m.vocab_size}")
     if cfg.metrics.peak_tflops is not None:
         _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0")
-    from float8.validation import validate_float8  # stdlib only; here to avoid a circular import
-
-    validate_float8(cfg.float8)
+    _validate_float8(cfg.float8)
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(
             os.path.isfile(cfg.model.tokenizer_path),
@@ -430,6 +433,38 @@ def validate(cfg: JobConfig) -> None:
                 os.path.exists(t.dataset_path),
                 f"training.dataset_path: not found: {t.dataset_path} (a jsonl/json/parquet/txt file or folder)",
             )
+
+
+def _validate_float8(cfg: Float8) -> None:
+    """Reject float8 flag combinations that torchao would reject late (or silently ignore)."""
+    if not cfg.enable_float8_linear:
+        stray = [
+            f"float8.{name}"
+            for name, on in (
+                ("recipe_name", cfg.recipe_name is not None),
+                ("enable_fsdp_float8_all_gather", cfg.enable_fsdp_float8_all_gather),
+                ("precompute_float8_dynamic_scale_for_fsdp", cfg.precompute_float8_dynamic_scale_for_fsdp),
+                ("emulate", cfg.emulate),
+                ("auto_filter_small_kn", cfg.auto_filter_small_kn),
+                ("sqnr_log_freq", cfg.sqnr_log_freq > 0),
+            )
+            if on
+        ]
+        if stray:
+            raise ConfigError(
+                f"{', '.join(stray)} set but float8 is off; add --float8.enable_float8_linear or drop the flag"
+            )
+        return
+    if cfg.enable_fsdp_float8_all_gather and cfg.recipe != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather needs tensorwise scaling, but float8.recipe_name is "
+            f"'{cfg.recipe}' (weights are scaled per row); turn the all-gather off or use recipe_name tensorwise"
+        )
+    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather "
+            "(it precomputes the scales of float8-all-gathered weights)"
+        )
 
 
 # ----------------------------------------------------------------------------- output

@@ -7,12 +7,9 @@ materialise on the device + init_weights -> optimizer/LR -> checkpoint load -> t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import gc
 import logging
 import os
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,21 +18,32 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from float8.converter import build_float8_converter
-from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
+from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
-from parallelisms.parallelize import loss_parallel_enabled, parallelize_llama
-from trainer.checkpoint import CheckpointManager
-from trainer.config import ConfigError, JobConfig
-from trainer.data import build_dataloader
-from trainer.dist import init_distributed, set_collective_timeout, set_determinism
-from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
-from trainer.guards import NonFiniteGuard
-from trainer.metrics import MetricsLogger
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from trainer.saved_activations import SavedActivationReport, measure_saved_activations
-from trainer.sqnr import Float8SQNRMonitor
-from trainer.tokenizer import Tokenizer
+from parallelisms.parallelize import loss_parallel_enabled
+from trainer.build import build_model
+from trainer.components.checkpoint import CheckpointManager
+from trainer.components.data import build_dataloader
+from trainer.components.dist import init_distributed, set_determinism
+from trainer.components.metrics import MetricsLogger
+from trainer.components.optim import build_lr_scheduler, build_optimizer
+from trainer.components.tokenizer import Tokenizer
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.hooks import (
+    CheckpointHook,
+    CollectiveTimeoutHook,
+    Float8CheckHook,
+    GCHook,
+    MetricsHook,
+    NonFiniteHook,
+    ProfilingHook,
+    SQNRHook,
+    StepHook,
+    StepOutput,
+)
+from trainer.tools.guards import NonFiniteGuard
+from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
 logger = logging.getLogger("kiln")
 
@@ -66,18 +74,12 @@ class Trainer:
             raise ConfigError(f"model.tokenizer_path: {e}") from None
         self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree, pin_memory=self.device.type == "cuda")
 
-        model_args = self._model_args(self.tokenizer.n_words)
-        with torch.device("meta"):
-            model = Transformer(model_args)
-        if self.float8 is not None:
-            self.float8.convert(model)
-        self.flops_per_token = flops_per_token(model_args, model, t.seq_len)
+        built = build_model(cfg, self.parallel_dims, self.tokenizer.n_words, self.float8)
+        model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
         logger.info(
-            f"Model llama3 {cfg.model.flavor}: {num_params(model):,} params, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {model_args.vocab_size}"
+            f"Model llama3 {cfg.model.flavor}: {built.args.n_layers} layers, {built.n_params:,} params, "
+            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {built.args.vocab_size}"
         )
-
-        parallelize_llama(model, self.parallel_dims, t, p, cfg.activation_checkpoint, cfg.float8)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
@@ -113,21 +115,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
         )
-        self.losses: list[float] = []  # losses of logged steps, for tests and callers
-        self._float8_verified = False  # float8 flags are checked once, at the first step
-
-    def _model_args(self, tokenizer_words: int) -> ModelArgs:
-        """The flavor's shape with the vocabulary (and optional layer count) from tokenizer and config."""
-        m, vocab = self.cfg.model, self.cfg.model.vocab_size
-        if vocab is not None and vocab < tokenizer_words:
-            raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's {tokenizer_words} tokens")
-        args = LLAMA3_FLAVORS[m.flavor]
-        return dataclasses.replace(
-            args,
-            vocab_size=vocab or tokenizer_words,
-            n_layers=m.n_layers or args.n_layers,
-            max_seq_len=self.cfg.training.seq_len,
-        )
+        self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
     def _grad_accum_steps(self, dp_degree: int) -> int:
         t = self.cfg.training
@@ -152,16 +140,6 @@ class Trainer:
         with self.amp:
             logits = self.model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-    def _counting_forward_loss(self, counter: ScaledMMCounter) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """forward_loss that counts _scaled_mm calls: eager (dynamo cannot trace under a dispatch mode) and
-        forward only (the mode also gets in DTensor's way in backward and grad clipping)."""
-
-        def forward_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with torch.compiler.set_stance("force_eager"), counter:
-                return Trainer.forward_loss(self, inputs, labels)
-
-        return forward_loss
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
@@ -202,7 +180,6 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
         )
-        self.nan_guard.observe(self.step, loss_sum, grad_norm)
         self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:
@@ -217,70 +194,54 @@ class Trainer:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.parallel_dims.dp_mesh.get_group())
         return loss.item()
 
+    def build_hooks(self) -> list[StepHook]:
+        """The loop's non-training concerns, in the order they run (see trainer/hooks.py)."""
+        cfg, rank = self.cfg, dist.get_rank()
+        metrics = MetricsHook(self.metrics, cfg.training.steps, self._global_mean_loss)
+        metrics.losses = self.losses
+        hooks: list[StepHook] = [
+            GCHook(cfg.training.gc_freq),
+            ProfilingHook(cfg.profiling, cfg.job.dump_folder, rank, self.device, self.step),
+        ]
+        if self.float8 is not None:
+            hooks.append(Float8CheckHook(self.model, cfg.float8, self.parallel_dims.fsdp_enabled))
+            if cfg.float8.sqnr_log_freq:
+                hooks.append(SQNRHook(self.model, cfg.float8.sqnr_log_freq, self.is_logging_rank))
+        must_check = lambda out: self.metrics.should_log(out.step) or self.checkpointer.due(out.step, out.last)  # noqa: E731
+        hooks += [
+            NonFiniteHook(self.nan_guard, must_check, self.checkpointer.folder),  # before metrics and saves
+            metrics,
+            CheckpointHook(self.checkpointer),
+            CollectiveTimeoutHook(self.step + 1, cfg.comm.train_timeout_seconds),
+        ]
+        return hooks
+
     def train(self) -> None:
         t = self.cfg.training
         if self.cfg.profiling.saved_activations_report:
             self.report_saved_activations()
             return
-        gc.disable()  # collect at a fixed cadence instead of at random points mid-step
         logger.info(
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "
             f"grad accumulation {self.grad_accum_steps}, world {dist.get_world_size()}"
         )
-        prof_cfg, dump, rank = self.cfg.profiling, self.cfg.job.dump_folder, dist.get_rank()
-        sqnr_freq = self.cfg.float8.sqnr_log_freq
-        sqnr = Float8SQNRMonitor(self.model) if self.float8 is not None and sqnr_freq else None
+        hooks = self.build_hooks()
         try:
-            with (
-                maybe_enable_profiling(prof_cfg, dump, rank, self.step) as profiler,
-                maybe_enable_memory_snapshot(prof_cfg, dump, rank, self.device, self.step) as snapshot,
-            ):
-                while self.step < t.steps:
-                    self._train_one(sqnr, sqnr_freq)
-                    if profiler is not None:
-                        profiler.step()
-                    if snapshot is not None:
-                        snapshot.step()
+            while self.step < t.steps:
+                self.step += 1
+                for hook in hooks:
+                    hook.pre_step(self.step)
+                with contextlib.ExitStack() as around:
+                    for hook in hooks:
+                        around.enter_context(hook.step_context(self.step))
+                    loss, grad_norm = self.train_step()
+                out = StepOutput(self.step, self.step == t.steps, loss, grad_norm, self.last_lr)
+                for hook in hooks:
+                    hook.post_step(out)
         finally:
-            gc.enable()
-            if sqnr is not None:
-                sqnr.remove()
+            for hook in hooks:
+                hook.close()
         logger.info("Training completed")
-
-    def _train_one(self, sqnr: Float8SQNRMonitor | None, sqnr_freq: int) -> None:
-        """One step of the loop: train_step, first-step float8 checks, SQNR, metrics, checkpoint."""
-        t = self.cfg.training
-        self.step += 1
-        if self.step % t.gc_freq == 0:
-            gc.collect(1)
-        if sqnr is not None:
-            sqnr.active = self.step % sqnr_freq == 0
-        if self.float8 is not None and not self._float8_verified:
-            scaled_mm = ScaledMMCounter()
-            self.forward_loss = self._counting_forward_loss(scaled_mm)  # first step only: the mode costs time
-            try:
-                loss, grad_norm = self.train_step()
-            finally:
-                del self.forward_loss  # back to the class's method
-            verify_float8_in_use(self.model, self.cfg.float8, scaled_mm.calls, self.parallel_dims.fsdp_enabled)
-            self._float8_verified = True
-        else:
-            loss, grad_norm = self.train_step()
-        last = self.step == t.steps
-        log_step = self.metrics.should_log(self.step) or last
-        if log_step or self.checkpointer.due(self.step, last):
-            self.nan_guard.check(self.checkpointer.folder)
-        if log_step:
-            # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
-            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            loss_f, norm_f = self._global_mean_loss(loss), norm.item()
-            self.losses.append(loss_f)
-            self.metrics.log(self.step, t.steps, loss_f, norm_f, self.last_lr)
-        if sqnr is not None and sqnr.active and self.is_logging_rank:
-            sqnr.log(self.step)
-        self.checkpointer.maybe_save(self.step, last=last)
-        if self.step == 1:
-            set_collective_timeout(self.cfg.comm.train_timeout_seconds)
 
     def close(self) -> None:
         self.dataloader.close()

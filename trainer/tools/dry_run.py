@@ -14,20 +14,17 @@ DTensor placement on the `tp` mesh dimension).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import time
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import build_float8_converter, is_float8_linear
-from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
+from trainer.build import build_model
 from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -39,7 +36,7 @@ def simulated_world_size(p: Parallelism) -> int:
 
 def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
     if os.path.isfile(tokenizer_path):
-        from trainer.tokenizer import Tokenizer
+        from trainer.components.tokenizer import Tokenizer
 
         return Tokenizer(tokenizer_path).n_words, tokenizer_path
     if flavor == "debugmodel":
@@ -151,20 +148,16 @@ def dry_run(cfg: JobConfig) -> str:
         )
         dims.build_mesh("cpu")
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
-        args = dataclasses.replace(LLAMA3_FLAVORS[cfg.model.flavor], vocab_size=vocab, max_seq_len=t.seq_len)
-        with torch.device("meta"):
-            model = Transformer(args)
-        linear_fqns = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         converter = build_float8_converter(f8)
-        if converter is not None:
-            converter.convert(model)
+        built = build_model(cfg, dims, vocab, converter)
+        model, args, plan = built.model, built.args, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
-        n_params, flops = num_params(model), flops_per_token(args, model, t.seq_len)
-        float8_lines = _float8_lines(model, linear_fqns, f8, reasons)  # before AC wrapping renames modules
-        plan = parallelize_llama(model, dims, t, p, ac, f8)
+        n_params, flops = built.n_params, built.flops_per_token
+        float8_lines = _float8_lines(model, built.linear_fqns, f8, reasons)
         on = {True: "on", False: "off"}
         lines = [
-            f"kiln dry run: llama3 {cfg.model.flavor} (vocab {vocab}: {vocab_source})",
+            f"kiln dry run: llama3 {cfg.model.flavor}, {args.n_layers} layers "
+            f"(vocab {args.vocab_size}: {vocab_source})",
             f"parameters: {n_params:,}   FLOPs/token: {flops / 1e9:.2f} GFLOP (6N + 12LHQT, seq {t.seq_len})",
             f"simulated world: {world} = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}",
             f"mesh: {dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape))}  (FSDP {on[dims.dp_shard_enabled]}, "
@@ -185,13 +178,18 @@ def dry_run(cfg: JobConfig) -> str:
         dist.destroy_process_group()
 
 
+def _unwrapped_name(name: str) -> str:
+    """A module's FQN without the AC and compile wrappers' path components."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+
+
 def _order(row: tuple[str, str, int]) -> tuple[bool, str]:
     return (row[0].startswith("layers."), row[0])
 
 
 def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons: dict[str, str]) -> list[str]:
     """Which Linears are Float8Linear, and for the others why not (read from the converted model)."""
-    modules = dict(model.named_modules())
+    modules = {_unwrapped_name(n): m for n, m in model.named_modules()}  # names as before AC/compile wrapping
     status: dict[str, str] = {}
     for fqn in linear_fqns:
         module = modules[fqn]
@@ -201,7 +199,7 @@ def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons:
             why = reasons.get(fqn) or ("float8.enable_float8_linear is off" if not f8.enable_float8_linear else "?")
             status[fqn] = f"high precision: {why}"
     n_f8 = sum(s.startswith("Float8") for s in status.values())
-    recipe = f" (recipe {f8.recipe_name or 'tensorwise'})" if f8.enable_float8_linear else ""
+    recipe = f" (recipe {f8.recipe})" if f8.enable_float8_linear else ""
     return [f"float8: {n_f8}/{len(status)} Linears converted{recipe}"] + [
         f"  {pat:<34} x{n:<4} {value}" for pat, value, n in _group(status)
     ]
@@ -213,7 +211,7 @@ def _tp_styles(model: nn.Module, plan: dict[str, object] | None) -> dict[str, st
     for name, module in model.named_modules():
         layout = _tp_layout(module)
         if layout:
-            name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+            name = _unwrapped_name(name)
             styles[name] = f"{styles.get(name, '')} {layout}".strip()
     return styles
 

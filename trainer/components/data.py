@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
-from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True)

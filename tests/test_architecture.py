@@ -1,0 +1,122 @@
+"""The import contract: kiln's packages form layers, and each module imports only its own layer or below.
+
+    0 trainer.errors                          (user errors; standard library only)
+    1 trainer.config                          (config dataclasses, parsing, validation; standard library only)
+    2 trainer.internals                       (every use of private torch/torchao APIs)
+    3 models
+    4 float8 | trainer.components             (siblings: neither imports the other)
+    5 parallelisms
+    6 trainer.build                           (the one model-build path)
+    7 trainer.tools                           (dry run, saved-activation report, profiling, guards)
+    8 trainer.hooks                           (the train loop's step hooks)
+    9 trainer.train                           (the Trainer)
+   10 train.py, scripts, benchmarks           (entry points)
+
+Imports inside functions count too: a lazy import is still a dependency. docs/architecture.md explains the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS: list[tuple[str, ...]] = [
+    ("trainer.errors",),
+    ("trainer.config",),
+    ("trainer.internals",),
+    ("models",),
+    ("float8", "trainer.components"),
+    ("parallelisms",),
+    ("trainer.build",),
+    ("trainer.tools",),
+    ("trainer.hooks",),
+    ("trainer.train",),
+    ("train", "scripts", "benchmarks"),
+]
+KILN_TOP = {"trainer", "models", "float8", "parallelisms", "train", "scripts", "benchmarks"}
+
+
+def _unit(module: str) -> tuple[int, str]:
+    """(layer, unit) of a kiln module: the longest prefix named in LAYERS."""
+    best: tuple[int, str] | None = None
+    for layer, units in enumerate(LAYERS):
+        for unit in units:
+            if (module == unit or module.startswith(unit + ".")) and (best is None or len(unit) > len(best[1])):
+                best = (layer, unit)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS (and docs/architecture.md)"
+    return best
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.glob("**/*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".git") or rel.parts[0].startswith("."):
+            continue
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        if rel.name == "__init__.py" and not _imports(path):
+            continue  # an empty package marker belongs to no layer
+        out[name] = path
+    return out
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Every imported module name (absolute), with its line, including imports inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+            found += [(f"{node.module}.{a.name}", node.lineno) for a in node.names]
+    return found
+
+
+MODULES = _modules()
+
+
+def _kiln_imports(name: str) -> list[tuple[str, int]]:
+    return [(m, line) for m, line in _imports(MODULES[name]) if m.split(".")[0] in KILN_TOP and m in MODULES]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name: str) -> None:
+    layer, unit = _unit(name)
+    for target, line in _kiln_imports(name):
+        t_layer, t_unit = _unit(target)
+        assert t_layer < layer or (t_layer == layer and t_unit == unit), (
+            f"{MODULES[name].relative_to(ROOT)}:{line} imports {target} (layer {t_layer}, {t_unit}) "
+            f"from layer {layer} ({unit}): imports must point to a lower layer"
+        )
+
+
+def test_bottom_layer_is_standard_library_only() -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__", "tomli"}
+    for name in ("trainer.errors", "trainer.config"):
+        for module, line in _imports(MODULES[name]):
+            top = module.split(".")[0]
+            assert top in stdlib or module in ("trainer.errors", "trainer.errors.ConfigError"), (
+                f"{name}:{line} imports {module}; the bottom layer must stay standard-library only"
+            )
+
+
+def test_no_import_cycles() -> None:
+    graph = {name: {t for t, _ in _kiln_imports(name)} for name in MODULES}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])

@@ -1,0 +1,196 @@
+"""Step hooks: everything the train loop does besides training, plugged in through one small interface.
+
+`Trainer.train` reads top to bottom: for each step it calls every hook's `pre_step`, runs `train_step` inside
+every hook's `step_context`, then calls every hook's `post_step` with the step's outputs. Hooks run in list
+order, which is significant: the non-finite guard checks before metrics are logged and before a checkpoint is
+saved, so no checkpoint is ever written after a bad step. A hook observes the step; it never changes what the
+step computes (instrumentation that did so broke tensor parallelism once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from float8.checks import ScaledMMCounter, verify_float8_in_use
+from float8.sqnr import Float8SQNRMonitor
+from trainer.components.checkpoint import CheckpointManager
+from trainer.components.dist import set_collective_timeout
+from trainer.components.metrics import MetricsLogger
+from trainer.config import Float8, Profiling
+from trainer.tools.guards import NonFiniteGuard
+from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class StepOutput:
+    step: int
+    last: bool  # the final step of the run
+    loss: torch.Tensor  # mean over micro-batches, this rank, on the device (no host sync yet)
+    grad_norm: torch.Tensor  # global norm before clipping (a DTensor when parameters are sharded)
+    lr: float  # the learning rate this step used
+
+
+class StepHook:
+    """Base class: override what you need; the defaults do nothing."""
+
+    def pre_step(self, step: int) -> None:
+        """Before the step's first micro-batch."""
+
+    def step_context(self, step: int) -> contextlib.AbstractContextManager:
+        """Entered around `train_step` (forward, backward, clip, optimizer)."""
+        return contextlib.nullcontext()
+
+    def post_step(self, out: StepOutput) -> None:
+        """After the optimizer step."""
+
+    def close(self) -> None:
+        """Once, when the loop ends (normally or by an exception)."""
+
+
+class GCHook(StepHook):
+    """Python's automatic GC is off during training; collect at a fixed cadence instead of at random points."""
+
+    def __init__(self, freq: int) -> None:
+        self.freq = freq
+        gc.disable()
+
+    def pre_step(self, step: int) -> None:
+        if step % self.freq == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        gc.enable()
+
+
+class ProfilingHook(StepHook):
+    """torch profiler traces every profile_freq steps and CUDA memory snapshots (both off by default)."""
+
+    def __init__(self, cfg: Profiling, dump_folder: str, rank: int, device: torch.device, start_step: int) -> None:
+        self._stack = contextlib.ExitStack()
+        self.profiler = self._stack.enter_context(maybe_enable_profiling(cfg, dump_folder, rank, start_step))
+        self.snapshot = self._stack.enter_context(
+            maybe_enable_memory_snapshot(cfg, dump_folder, rank, device, start_step)
+        )
+
+    def post_step(self, out: StepOutput) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+        if self.snapshot is not None:
+            self.snapshot.step()
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class SQNRHook(StepHook):
+    """Per-layer float8 SQNR every `freq` steps, measured by forward hooks that are idle on other steps."""
+
+    def __init__(self, model: nn.Module, freq: int, is_logging_rank: bool) -> None:
+        self.monitor, self.freq, self.is_logging_rank = Float8SQNRMonitor(model), freq, is_logging_rank
+
+    def pre_step(self, step: int) -> None:
+        self.monitor.active = step % self.freq == 0
+
+    def post_step(self, out: StepOutput) -> None:
+        if self.monitor.active and self.is_logging_rank:
+            self.monitor.log(out.step)
+
+    def close(self) -> None:
+        self.monitor.remove()
+
+
+class NonFiniteHook(StepHook):
+    """Records non-finite losses/norms on the device every step; raises on log and checkpoint steps."""
+
+    def __init__(self, guard: NonFiniteGuard, must_check: Callable[[StepOutput], bool], checkpoint_folder: str) -> None:
+        self.guard, self.must_check, self.checkpoint_folder = guard, must_check, checkpoint_folder
+
+    def post_step(self, out: StepOutput) -> None:
+        self.guard.observe(out.step, out.loss, out.grad_norm)
+        if self.must_check(out):
+            self.guard.check(self.checkpoint_folder)
+
+
+class MetricsHook(StepHook):
+    """The step line (and TensorBoard) on log steps; the only place the loop syncs with the host."""
+
+    def __init__(self, metrics: MetricsLogger, total_steps: int, global_mean: Callable[[torch.Tensor], float]) -> None:
+        self.metrics, self.total_steps, self.global_mean = metrics, total_steps, global_mean
+        self.losses: list[float] = []  # losses of logged steps, for tests and callers
+
+    def post_step(self, out: StepOutput) -> None:
+        if not (self.metrics.should_log(out.step) or out.last):
+            return
+        # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
+        norm = out.grad_norm.full_tensor() if hasattr(out.grad_norm, "full_tensor") else out.grad_norm
+        loss = self.global_mean(out.loss)
+        self.losses.append(loss)
+        self.metrics.log(out.step, self.total_steps, loss, norm.item(), out.lr)
+
+
+class CheckpointHook(StepHook):
+    def __init__(self, checkpointer: CheckpointManager) -> None:
+        self.checkpointer = checkpointer
+
+    def post_step(self, out: StepOutput) -> None:
+        self.checkpointer.maybe_save(out.step, last=out.last)
+
+
+class CollectiveTimeoutHook(StepHook):
+    """The first steps may compile and warm up for minutes; after them, a hung collective should fail fast."""
+
+    def __init__(self, after_step: int, seconds: int) -> None:
+        self.after_step, self.seconds = after_step, seconds
+
+    def post_step(self, out: StepOutput) -> None:
+        if out.step == self.after_step:
+            set_collective_timeout(self.seconds)
+
+
+class Float8CheckHook(StepHook):
+    """At the first step, prove each float8 flag changed what runs (float8/checks.py), or stop the run (exit 2)."""
+
+    def __init__(self, model: nn.Module, cfg: Float8, fsdp_enabled: bool) -> None:
+        self.model, self.cfg, self.fsdp_enabled = model, cfg, fsdp_enabled
+        self.verified = False
+
+    def step_context(self, step: int) -> contextlib.AbstractContextManager:
+        if self.verified:
+            return contextlib.nullcontext()
+        return self._first_step()
+
+    @contextlib.contextmanager
+    def _first_step(self) -> Iterator[None]:
+        counter = ScaledMMCounter()
+        # Count in the forward only, eagerly: dynamo cannot trace under a dispatch mode.
+        handles = [
+            self.model.register_forward_pre_hook(lambda *_: _enter(counter)),
+            self.model.register_forward_hook(lambda *_: _exit(counter)),
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        verify_float8_in_use(self.model, self.cfg, counter.calls, self.fsdp_enabled)
+        self.verified = True
+
+
+def _enter(counter: ScaledMMCounter) -> None:
+    counter.stance = torch.compiler.set_stance("force_eager")
+    counter.stance.__enter__()
+    counter.__enter__()
+
+
+def _exit(counter: ScaledMMCounter) -> None:
+    counter.__exit__(None, None, None)
+    counter.stance.__exit__(None, None, None)
