@@ -115,10 +115,3 @@ def validate_parallelism(
                 "parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1 and training.compile "
                 "(the TP overlap is an inductor pass)"
             )
-    if dims.tp_enabled and training.compile and not dims.dp_shard_enabled and device_type == "cpu":
-        # Known failure on the CPU build (torch 2.13): the compiled block's backward hands DTensor's
-        # Redistribute a plain tensor ('Tensor' object has no attribute '_local_tensor'). With FSDP it works.
-        raise ConfigError(
-            "tensor parallel + training.compile without FSDP fails in backward on CPU (a torch bug, "
-            "docs/parallelisms.md); add data_parallel_shard_degree >= 2 or drop --training.compile"
-        )

@@ -5,6 +5,8 @@ Order matters and follows torchtitan: (float8 conversion happens before this) ->
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -92,7 +94,27 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
 def apply_compile(model: nn.Module) -> None:
     """Compile each transformer block separately: blocks are identical, so one graph serves all."""
     for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        compiled = torch.compile(block, fullgraph=True)
+        # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
+        compiled.register_forward_pre_hook(wait_async_collective_inputs)
+        model.layers.register_module(name, compiled)
+
+
+def wait_async_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Turn AsyncCollectiveTensor inputs into plain tensors with `wait_tensor`, keeping their autograd edge.
+
+    With TP the eager embedding hands block 0 an AsyncCollectiveTensor (RowwiseParallel's output is an async
+    redistribute + to_local()). torch 2.13's AOTAutograd unwraps such an input with trigger_wait(), which drops
+    its autograd edge: the block's input gradient then reaches the embedding's Redistribute backward as a plain
+    tensor ('Tensor' object has no attribute '_local_tensor'; scripts/repro_tp_compile_async_input.py, fixed
+    upstream by pytorch/pytorch#191113). `wait_tensor` is differentiable and costs nothing extra: the block's
+    first op would wait for the collective anyway. FSDP's pre-forward hook used to hide this by rewrapping inputs.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    if not any(isinstance(a, funcol.AsyncCollectiveTensor) for a in args):
+        return args
+    return tuple(funcol.wait_tensor(a) if isinstance(a, funcol.AsyncCollectiveTensor) else a for a in args)
 
 
 def apply_fsdp(
