@@ -27,7 +27,8 @@ def check_config(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.config import ConfigError, parse_args, to_toml
+    from trainer.config import parse_args, to_toml
+    from trainer.errors import UserError
 
     _setup_logging()
     try:
@@ -44,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
         trainer = Trainer(cfg)
-    except ConfigError as e:
+    except UserError as e:  # config, checkpoint or data mistakes: one line, exit 2
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     try:
         trainer.train()
-    except ConfigError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1
+    except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1, a refused save
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

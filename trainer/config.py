@@ -22,9 +22,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A mistake in the user's configuration; reported as one line, exit status 2."""
+from trainer.errors import ConfigError  # noqa: F401  (re-exported: kiln's code and tests import it from here)
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
