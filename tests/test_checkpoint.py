@@ -287,6 +287,7 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         train_step(model, opt)
         counter.step = 1
         saver.maybe_save(1)
+        saver.close()  # lets go of the folder lock: one CheckpointManager per folder at a time
         md = read_metadata(str(tmp_path / "step-1"))
         tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
         assert {"layers.0.attention.wq.weight", "optimizer.state.layers.0.attention.wq.weight.exp_avg"} <= set(tensors)
