@@ -317,3 +317,28 @@ def test_unusable_folder_fails_at_start(tmp_path: Path, capsys: pytest.CaptureFi
             (ro / "checkpoint").chmod(0o755)
     assert f"checkpoint folder {ro / 'checkpoint'} (job.dump_folder + checkpoint.folder) is not usable" in err, err
     assert "Model llama3" not in caplog.text
+
+
+@pytest.mark.distributed
+def test_two_ranks_both_refuse_a_locked_folder(tmp_path: Path) -> None:
+    """Only rank 0 takes the lock; rank 1 must learn of the refusal and stop too (no hang in a collective)."""
+    import fcntl
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    fd = os.open(folder / ".kiln.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, b"777@otherhost\n", 0)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+             *TINY, "--job.dump_folder", str(tmp_path), *CKPT, "--training.steps", "2"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    errors = [line for line in proc.stderr.splitlines() if "kiln: error:" in line]
+    assert len(errors) == 2, proc.stderr[-3000:]  # one line from each rank
+    assert all("is in use by another kiln run (pid 777 on otherhost" in line for line in errors), errors
+    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]  # both ranks exited 2, none hung
+    assert names(folder) == []
