@@ -46,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
         trainer = Trainer(cfg)
-    except UserError as e:
+    except UserError as e:  # config, checkpoint or data mistakes: one line, exit 2
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     try:
         trainer.train()
-    except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1
+    except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1, a refused save
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

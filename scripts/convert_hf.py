@@ -3,9 +3,11 @@
     python scripts/convert_hf.py to_hf   CHECKPOINT HF_DIR [--dtype bfloat16] [--flavor debugmodel]
     python scripts/convert_hf.py from_hf HF_DIR CHECKPOINT_FOLDER [--step 0]
 
-CHECKPOINT is a DCP step folder (`outputs/checkpoint/step-100`, full or weights-only) or a checkpoint folder
-(its latest step is used). The model shape comes from the step's kiln.json (or --flavor, with the vocabulary
-read off the embedding). `from_hf` writes a weights-only DCP checkpoint `CHECKPOINT_FOLDER/step-N` that
+CHECKPOINT is a DCP step folder (`outputs/checkpoint/step-100`, full, or an export `export-step-100`) or a
+checkpoint folder (its highest complete step is used; an export wins a tie). Checkpoints are read through
+kiln's SafeFileSystemReader: a file that needs code to load is refused (exit 2), nothing of it run. The model
+shape comes from the step's kiln.json (or --flavor, with the vocabulary read off the embedding). `from_hf`
+writes a weights-only DCP checkpoint `CHECKPOINT_FOLDER/step-N` that
 kiln loads at start (`--checkpoint.enable_checkpoint --checkpoint.folder CHECKPOINT_FOLDER`) as its initial
 weights. Names map as in Hugging Face's convert_llama_weights_to_hf.py, including the q/k row permutation:
 kiln (like Meta's Llama) rotates interleaved pairs (x0,x1),(x2,x3)...; HF's Llama rotates the two halves of
@@ -29,6 +31,7 @@ sys.path.insert(0, ROOT)
 
 from models.args import LLAMA3_FLAVORS, ModelArgs, ffn_hidden_dim  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch attribute names
 # Llama 3.1 RoPE scaling, as hard-coded in models/llama3.py (_apply_rope_scaling).
@@ -176,15 +179,15 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
 
 
 def resolve_step_dir(path: str) -> str:
-    """A DCP step folder, or the latest complete step of a checkpoint folder."""
-    from trainer.components.checkpoint import complete_steps, step_dir
+    """A DCP step folder, or the highest complete `step-N` / `export-step-N` of a checkpoint folder."""
+    from trainer.components.checkpoint_folder import scan
 
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
-    steps = complete_steps(path)
-    if not steps:
+    done = [e for e in scan(path) if not e.tmp and e.has_metadata]
+    if not done:
         raise ConfigError(f"{path}: not a DCP checkpoint (no .metadata) and no complete step-N folder in it")
-    return step_dir(path, steps[-1])
+    return max(done, key=lambda e: (e.step, e.export)).path
 
 
 def load_kiln_weights(path: str, flavor: str | None = None) -> tuple[dict[str, torch.Tensor], ModelArgs]:
@@ -193,6 +196,7 @@ def load_kiln_weights(path: str, flavor: str | None = None) -> tuple[dict[str, t
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from trainer.components.checkpoint import MARKER, is_model_key, read_metadata
+    from trainer.components.checkpoint_reader import SafeFileSystemReader
 
     md = read_metadata(path)
     sd = {
@@ -202,7 +206,7 @@ def load_kiln_weights(path: str, flavor: str | None = None) -> tuple[dict[str, t
     }
     if "tok_embeddings.weight" not in sd:
         raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln Llama3 checkpoint")
-    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    dcp.load(sd, storage_reader=SafeFileSystemReader(path, md), no_dist=True)
     marker = os.path.join(path, MARKER)
     if flavor is not None:
         args = dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0])
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor)
         else:
             from_hf(a.hf_dir, a.folder, a.step)
-    except ConfigError as e:
+    except UserError as e:  # config, checkpoint (damaged, refused as unsafe) mistakes
         print(f"convert_hf: error: {e}", file=sys.stderr)
         return 2
     return 0

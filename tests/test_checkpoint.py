@@ -20,7 +20,8 @@ import train as train_entry
 from models import LLAMA3_FLAVORS, ModelArgs
 from tests.common import tiny_run_args
 from trainer.components.checkpoint import CheckpointManager, read_metadata
-from trainer.config import Checkpoint, ConfigError, parse_args
+from trainer.config import Checkpoint, parse_args
+from trainer.errors import CheckpointError
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,17 @@ def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = N
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+    """Every file's size and mtime, except the folder lock (each run takes it and writes its pid@host there)."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+        if p.name != ".kiln.lock"
+    }
+
+
+def names(folder: Path) -> list[str]:
+    """The checkpoint folder's entries, without kiln's hidden lock file."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
 def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> None:
@@ -78,7 +89,7 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
     rc, _ = drive(tmp_path / "run", *ckpt, env={"KILN_TEST_KILL_IN_SAVE": "15"})
     assert rc == -9
     folder = tmp_path / "run" / "checkpoint"
-    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15.tmp", "step-5"]
+    assert names(folder) == ["step-10", "step-15.tmp", "step-5"]
     assert {".metadata", "__0_0.distcp", "kiln.json"} <= {p.name for p in (folder / "step-15.tmp").iterdir()}
 
     rc, resumed = drive(tmp_path / "run", *ckpt)
@@ -86,7 +97,7 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
     log = (tmp_path / "run.log").read_text()
     assert f"Loaded checkpoint {folder / 'step-10'} (full state)" in log
     assert resumed == straight[10:]  # exact floats
-    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+    assert names(folder) == ["step-10", "step-15", "step-20", "step-5"]
 
 
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
@@ -98,7 +109,7 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
     rc, _ = drive(tmp_path / "run", *ckpt, nproc=2, env={"KILN_TEST_KILL_AFTER_SAVE": "10"})
     assert rc != 0
     folder = tmp_path / "run" / "checkpoint"
-    assert sorted(p.name for p in folder.iterdir()) == ["step-10"]
+    assert names(folder) == ["step-10"]
     md = read_metadata(str(folder / "step-10"))
     assert {k for k in md.state_dict_metadata if k.startswith("dataloader.")} == {
         "dataloader.dp_rank_0",
@@ -112,7 +123,7 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
 
     before = snapshot(folder)
     cfg = parse_args([*TINY, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable_checkpoint"])
-    with pytest.raises(ConfigError, match="saved by 2 data-parallel rank\\(s\\) and this run has 1"):
+    with pytest.raises(CheckpointError, match="saved by 2 data-parallel rank\\(s\\) and this run has 1"):
         Trainer(cfg)
     assert snapshot(folder) == before
 
@@ -138,7 +149,7 @@ def test_async_keep_latest_k_and_weights_only_export(
         tmp_path,
         *ckpt,
         "--checkpoint.keep_latest_k",
-        "2",
+        "1",
         "--checkpoint.async_mode",
         "async_with_pinned_mem",
         "--checkpoint.last_save_model_weights_only",
@@ -148,23 +159,24 @@ def test_async_keep_latest_k_and_weights_only_export(
     assert "async_with_pinned_mem needs CUDA; saving with async_mode=async" in caplog.text
     final = full_params(trainer.model)
     folder = tmp_path / "checkpoint"
-    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-6"]  # step-2 purged after step-6 landed
+    # step-2 purged once step-4's background save landed; the weights-only final save is an export, which
+    # keep_latest_k counts apart from the full checkpoints.
+    assert names(folder) == ["export-step-6", "step-4"]
 
-    export = read_metadata(str(folder / "step-6")).state_dict_metadata
+    export = read_metadata(str(folder / "export-step-6")).state_dict_metadata
     assert set(export) == set(final)  # weights only, torchtitan's top-level model keys
     assert {m.properties.dtype for m in export.values()} == {torch.bfloat16}
-    assert json.loads((folder / "step-6" / "kiln.json").read_text())["model_weights_only"] is True
+    assert json.loads((folder / "export-step-6" / "kiln.json").read_text())["model_weights_only"] is True
 
-    # The latest is the weights-only export: it loads as initial weights and training starts at step 0.
+    # An export is no resume point: the next run resumes from the newest full checkpoint, step-4.
     resumed = Trainer(parse_args([*TINY, "--job.dump_folder", str(tmp_path), *ckpt]))
-    assert resumed.step == 0
-    for k, v in resumed.model.state_dict().items():
-        assert torch.equal(v, final[k].to(torch.bfloat16).float()), k
-    resumed.close()
-    # load_step picks the full step-4 checkpoint (written in the background) instead.
-    resumed = Trainer(parse_args([*TINY, "--job.dump_folder", str(tmp_path), *ckpt, "--checkpoint.load_step", "4"]))
     assert resumed.step == 4 and resumed.lr_scheduler.last_epoch == 4
     resumed.close()
+    # The export's weights are the final model's, in bfloat16.
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in export.items()}
+    dcp.load(sd, checkpoint_id=str(folder / "export-step-6"))
+    for k, v in sd.items():
+        assert torch.equal(v, final[k].to(torch.bfloat16)), k
 
 
 def test_bad_checkpoints_are_clear_errors_and_touch_nothing(
@@ -275,6 +287,7 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         train_step(model, opt)
         counter.step = 1
         saver.maybe_save(1)
+        saver.close()  # lets go of the folder lock: one CheckpointManager per folder at a time
         md = read_metadata(str(tmp_path / "step-1"))
         tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
         assert {"layers.0.attention.wq.weight", "optimizer.state.layers.0.attention.wq.weight.exp_avg"} <= set(tensors)

@@ -23,6 +23,7 @@ from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer.build import build_model
 from trainer.components.checkpoint import CheckpointManager
+from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import build_dataloader
 from trainer.components.dist import init_distributed, set_determinism
 from trainer.components.metrics import MetricsLogger
@@ -51,10 +52,23 @@ logger = logging.getLogger("kiln")
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        self.checkpoint_claim: FolderClaim | None = None
+        try:
+            self._build(cfg)
+        except BaseException:
+            # A failed start lets go of the checkpoint folder's lock at once (callers in the same process, tests).
+            if self.checkpoint_claim is not None:
+                self.checkpoint_claim.release()
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
         t = cfg.training
         # float8's environment checks (torchao version, GPU capability) fail fast, before any process group.
         self.float8 = build_float8_converter(cfg.float8)
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
+        checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        if cfg.checkpoint.enable_checkpoint:  # a busy, read-only or non-directory folder fails now, not hours in
+            self.checkpoint_claim = FolderClaim(checkpoint_folder)
         p = cfg.parallelism
         self.parallel_dims = ParallelDims(
             p.data_parallel_replicate_degree,
@@ -98,7 +112,7 @@ class Trainer:
         self.step = 0
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
-            os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
+            checkpoint_folder,
             {
                 "model": model,
                 "optimizer": self.optimizer,
@@ -106,8 +120,9 @@ class Trainer:
                 "dataloader": self.dataloader,
                 "train_state": self,
             },
+            claim=self.checkpoint_claim,
         )
-        self.step = self.checkpointer.load()
+        self.step = self.checkpointer.load(last_step=t.steps)
         self.nan_guard = NonFiniteGuard(self.device)
 
         self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")

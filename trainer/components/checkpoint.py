@@ -1,25 +1,27 @@
 """DCP checkpoints: model, optimizer, LR scheduler, data loader (per DP rank) and train step; atomic saves.
 
 Layout: `{folder}/step-N/` holds one torch.distributed.checkpoint (DCP) save (`.metadata` plus one
-`__R_0.distcp` file per rank) and `kiln.json` (step, contents, layout, model shape). Keys follow torchtitan,
+`__R_0.distcp` file per rank) and `kiln.json` (step, contents, layout, model shape, save order); weights-only
+saves are exports, `{folder}/export-step-N/`, and never a resume point. Keys follow torchtitan,
 so its users' tools read kiln checkpoints: model weights at the top level (`layers.0.attention.wq.weight`),
 then `optimizer.*` (flattened, keyed by parameter name), `lr_scheduler.*`, `dataloader.dp_rank_R` (each
 data-parallel rank's own position) and `train_state.step`. A weights-only save holds the model keys alone.
 
-Atomicity: every rank writes into `step-N.tmp`; DCP writes `.metadata` on rank 0 only after gathering every
-rank's write results, then rank 0 writes `kiln.json` and renames the folder to `step-N`. Only `step-N`
-folders with a `.metadata` count as checkpoints, so a process killed mid-save leaves the previous checkpoint
-as the latest; the stale `.tmp` folder is removed at the next start, once a checkpoint has loaded.
+Atomicity: rank 0 creates `step-N.tmp` with a `.kiln-saving` mark, every rank writes into it; DCP writes
+`.metadata` on rank 0 only after gathering every rank's write results, then rank 0 writes `kiln.json` and
+renames the folder to `step-N`. Only complete `step-N` folders count as checkpoints, so a process killed
+mid-save leaves the previous checkpoint as the latest; the marked `.tmp` is removed at the next start.
+
+Safety: every read goes through trainer/components/checkpoint_reader.py (no code runs from a checkpoint); the folder's
+lock, names and retention rules are in trainer/components/checkpoint_folder.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
-import shutil
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -38,12 +40,24 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from trainer.config import Checkpoint, ConfigError
+from trainer.components.checkpoint_folder import (
+    MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
+    Entry,
+    FolderClaim,
+    prepare_save,
+    publish,
+    purge,
+    remove_killed_saves,
+    save_name,
+    scan,
+)
+from trainer.components.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, load_metadata
+from trainer.config import Checkpoint
+from trainer.errors import CheckpointError
 
 logger = logging.getLogger("kiln")
 
 MODEL, OPTIMIZER, DATALOADER, TRAIN_STATE = "model", "optimizer", "dataloader", "train_state"
-MARKER = "kiln.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by FQN: layout-independent
 
@@ -53,7 +67,7 @@ def step_dir(folder: str, step: int) -> str:
 
 
 def complete_steps(folder: str) -> list[int]:
-    """Steps of the complete checkpoints under `folder`, oldest first (`.tmp` folders never count)."""
+    """Steps of the `step-N` folders with a `.metadata` under `folder`, oldest first (no exports, no `.tmp`)."""
     if not os.path.isdir(folder):
         return []
     steps = []
@@ -85,23 +99,33 @@ def plain_tensor(t: Any) -> Any:
     return t
 
 
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint with a missing, truncated or unreadable index or data file."""
+
+
 def read_metadata(path: str) -> Metadata:
-    """The DCP index of checkpoint folder `path`, checked against the sizes of the files it points into."""
+    """The DCP index of checkpoint folder `path` (restricted unpickling), checked against its files' sizes.
+
+    Raises UnsafeCheckpointError for a global that is not DCP metadata, IncompleteCheckpointError otherwise.
+    """
     meta_file = os.path.join(path, ".metadata")
     try:
-        md = dcp.FileSystemReader(path).read_metadata()
+        md = load_metadata(path)
+    except UnsafeCheckpointError:
+        raise
     except Exception as e:  # unpickling garbage can raise almost anything
-        raise ConfigError(f"checkpoint {meta_file} is corrupt or truncated: {type(e).__name__}: {e}") from None
+        msg = f"checkpoint {meta_file} is corrupt or truncated: {type(e).__name__}: {e}"
+        raise IncompleteCheckpointError(msg) from None
     needed: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for rel, need in sorted(needed.items()):
         f = os.path.join(path, rel)
         if not os.path.isfile(f):
-            raise ConfigError(f"checkpoint file {f} is missing (listed in {meta_file})")
+            raise IncompleteCheckpointError(f"checkpoint file {f} is missing (listed in {meta_file})")
         size = os.path.getsize(f)
         if size < need:
-            raise ConfigError(f"checkpoint file {f} is truncated: {size} bytes, its index needs {need}")
+            raise IncompleteCheckpointError(f"checkpoint file {f} is truncated: {size} bytes, its index needs {need}")
     return md
 
 
@@ -112,7 +136,7 @@ def is_model_key(key: str) -> bool:
 def check_matches(
     path: str, ours: dict[str, Any], md: Metadata, weights_only: bool, dp_degree: int | None = None
 ) -> None:
-    """Raise ConfigError if checkpoint `path` cannot fill state dict `ours`: other model shape or DP layout."""
+    """Raise CheckpointError if checkpoint `path` cannot fill state dict `ours`: other model shape or DP layout."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(ours)
@@ -122,26 +146,26 @@ def check_matches(
         if not is_model_key(key):
             continue
         if key not in saved:
-            raise ConfigError(f"{where} holds another model: it has no '{key}'")
+            raise CheckpointError(f"{where} holds another model: it has no '{key}'")
         meta = saved[key]
         if isinstance(value, torch.Tensor):
             got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "not a tensor"
             if got != tuple(value.shape):
-                raise ConfigError(
+                raise CheckpointError(
                     f"{where} holds another model: '{key}' has shape {got} there but {tuple(value.shape)} "
                     "in this model (check model.flavor and the tokenizer's vocabulary)"
                 )
     extra = [k for k in saved if k not in flat and (is_model_key(k) or not weights_only)]
     extra_model = [k for k in extra if is_model_key(k)]
     if extra_model:
-        raise ConfigError(f"{where} holds another model: it has '{extra_model[0]}', which this model lacks")
+        raise CheckpointError(f"{where} holds another model: it has '{extra_model[0]}', which this model lacks")
     if weights_only:
         return
     # Each rank holds only its own dataloader.dp_rank_R, so the expected set comes from the DP degree.
     theirs_dp = {k for k in saved if k.startswith(DATALOADER + ".")}
     ours_dp = {f"{DATALOADER}.dp_rank_{r}" for r in range(dp_degree)} if dp_degree else theirs_dp
     if ours_dp != theirs_dp:
-        raise ConfigError(
+        raise CheckpointError(
             f"{where} was saved by {len(theirs_dp)} data-parallel rank(s) and this run has {len(ours_dp)}: "
             "data-loader positions are per rank, so a full checkpoint resumes only under the same "
             "data-parallel degree: resume with the parallelism settings it was saved with"
@@ -150,18 +174,21 @@ def check_matches(
     extra = [k for k in extra if not k.startswith(DATALOADER + ".")]
     if missing or extra:
         what = f"has no '{missing[0]}'" if missing else f"has '{extra[0]}', which this run lacks"
-        raise ConfigError(f"{where} does not match this run's optimizer/state: it {what}")
+        raise CheckpointError(f"{where} does not match this run's optimizer/state: it {what}")
 
 
 class CheckpointManager:
     """Saves and loads `states` (model, optimizer, lr_scheduler, dataloader, train_state) under `folder`."""
 
-    def __init__(self, cfg: Checkpoint, folder: str, states: dict[str, Any]) -> None:
+    def __init__(self, cfg: Checkpoint, folder: str, states: dict[str, Any], claim: FolderClaim | None = None) -> None:
+        """`claim`: FolderClaim(folder) when the caller claimed the folder already (the Trainer does, before it
+        builds the model); otherwise it is claimed here: created, checked writable, locked."""
         self.cfg = cfg
         self.folder = folder
         self.states = states
         self.enabled = cfg.enable_checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.claim = (claim or FolderClaim(folder)) if self.enabled else claim
         self.mode = cfg.async_mode
         if self.enabled and self.mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             logger.warning("checkpoint.async_mode async_with_pinned_mem needs CUDA; saving with async_mode=async")
@@ -219,62 +246,124 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
-    def _recover_and_list(self) -> list[int]:
-        """Rank 0 undoes a replace of step-N interrupted between its two renames; then all ranks list."""
-        if self.rank == 0 and os.path.isdir(self.folder):
-            for name in os.listdir(self.folder):
-                if name.endswith(".old") and _STEP_DIR.match(name[:-4]):
-                    final = os.path.join(self.folder, name[:-4])
-                    if not os.path.exists(final):
-                        os.rename(os.path.join(self.folder, name), final)
-        if dist.is_initialized():
-            dist.barrier()
-        return complete_steps(self.folder)
+    def _is_weights_only(self, entry: Entry, md: Metadata) -> bool:
+        marker = entry.marker()
+        if marker is not None and "model_weights_only" in marker:
+            return bool(marker["model_weights_only"])
+        return all(is_model_key(k) for k in md.state_dict_metadata)  # torchtitan's or converted checkpoints
 
-    def _remove_stale(self) -> None:
-        """Delete what killed saves left behind (never a complete step-N folder)."""
-        if self.rank != 0 or not os.path.isdir(self.folder):
+    def _latest(self, entries: list[Entry]) -> tuple[Entry, Metadata, bool] | None:
+        """The newest complete full checkpoint; else the newest weights-only `step-N` (initial weights); else None.
+
+        Incomplete or damaged `step-N` folders are skipped with a warning (never deleted or written over); an
+        unsafe one stops the run. If nothing usable is left but something damaged is there, that is an error.
+        """
+        weights: tuple[Entry, Metadata, bool] | None = None
+        broken: list[str] = []
+        for entry in sorted((e for e in entries if not e.export and not e.tmp), key=lambda e: -e.step):
+            if not entry.has_metadata:
+                broken.append(f"{entry.path} has no .metadata (an incomplete copy?)")
+                continue
+            try:
+                md = read_metadata(entry.path)
+            except IncompleteCheckpointError as e:
+                broken.append(str(e))
+                continue
+            if self._is_weights_only(entry, md):
+                weights = weights or (entry, md, True)
+                continue
+            for why in broken:
+                logger.warning(f"Not resuming from a damaged checkpoint: {why}; kiln leaves it alone")
+            return entry, md, False
+        if weights is not None:
+            for why in broken:
+                logger.warning(f"Not resuming from a damaged checkpoint: {why}; kiln leaves it alone")
+            return weights
+        if broken:
+            raise CheckpointError(f"checkpoint folder {self.folder} has no usable checkpoint: {broken[0]}")
+        return None
+
+    def _requested(self, entries: list[Entry]) -> tuple[Entry, Metadata, bool]:
+        """checkpoint.load_step's `step-N`, refused when newer full checkpoints are in the folder (a rollback)."""
+        want = self.cfg.load_step
+        by_step = {e.step: e for e in entries if not e.export and not e.tmp}
+        entry = by_step.get(want)
+        if entry is None or not entry.has_metadata:
+            available = [e.step for e in by_step.values() if e.has_metadata]
+            raise CheckpointError(
+                f"checkpoint.load_step {want}: no complete checkpoint {step_dir(self.folder, want)} "
+                f"(available steps: {available or 'none'})"
+            )
+        md = read_metadata(entry.path)
+        later = []
+        for e in by_step.values():
+            if e.step > want and e.has_metadata:
+                try:
+                    if not self._is_weights_only(e, read_metadata(e.path)):
+                        later.append(e.name)
+                except IncompleteCheckpointError:
+                    continue  # a damaged later folder is no resume point: it does not block a rollback
+        if later:
+            raise CheckpointError(
+                f"checkpoint.load_step {want} is older than {', '.join(later)} in {self.folder}: resuming from it "
+                "there would mix two runs' histories (and keep_latest_k would count both); kiln refuses a rollback "
+                f"in place: move {', '.join(later)} out of the folder, or copy step-{want} into a new checkpoint.folder"
+            )
+        return entry, md, self._is_weights_only(entry, md)
+
+    def _check_planned_saves(self, entries: list[Entry], start: int, last_step: int | None) -> None:
+        """Refuse at start what a save of this run would otherwise meet hours later: a name already taken."""
+        if last_step is None:
             return
-        for name in os.listdir(self.folder):
-            if (name.endswith(".tmp") or name.endswith(".old")) and _STEP_DIR.match(name[:-4]):
-                logger.warning(f"Removing incomplete checkpoint {os.path.join(self.folder, name)} (a killed save)")
-                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        clashes = []
+        for e in entries:
+            if not (start < e.step <= last_step and self.due(e.step, e.step == last_step)):
+                continue
+            if self._weights_only_save(e.step == last_step) != e.export or e.kiln_saving:
+                continue  # another kind of save, or our own killed save (replaced)
+            clashes.append(e.name)
+        if clashes:
+            raise CheckpointError(
+                f"checkpoint folder {self.folder} already holds {', '.join(clashes[:3])}, which this run (steps "
+                f"{start + 1}-{last_step}) would save again; kiln never writes over a checkpoint it did not just "
+                "supersede: move it out of the folder, or set another checkpoint.folder"
+            )
 
-    def load(self) -> int:
+    def _barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier(group=self._pg)
+
+    def load(self, last_step: int | None = None) -> int:
         """Load the latest (or checkpoint.load_step) checkpoint into `states`; return its step (0 if none).
 
-        A weights-only checkpoint (an export, or one converted from Hugging Face) loads the model only and
-        training starts at step 0, as in torchtitan. Every mismatch is a ConfigError raised before anything
-        is modified on disk.
+        Only full `step-N` checkpoints are resume points. Without one, a weights-only `step-N` (converted from
+        Hugging Face) loads the model only and training starts at step 0, as in torchtitan. `last_step`
+        (training.steps) lets it refuse now a save that would land on a name already taken. Every mismatch is a
+        CheckpointError raised before anything is modified on disk.
         """
         if not self.enabled:
             return 0
-        steps = self._recover_and_list()
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in steps:
-                raise ConfigError(
-                    f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint "
-                    f"{step_dir(self.folder, self.cfg.load_step)} (available steps: {steps or 'none'})"
-                )
-            step = self.cfg.load_step
-        elif not steps:
+        entries = scan(self.folder)
+        chosen = self._requested(entries) if self.cfg.load_step >= 0 else self._latest(entries)
+        if chosen is None:
+            self._check_planned_saves(entries, 0, last_step)
             logger.info(f"No checkpoint in {self.folder}: training from scratch")
-            self._remove_stale()
+            self._remove_killed_saves()
             return 0
-        else:
-            step = steps[-1]
-        path = step_dir(self.folder, step)
+        entry, md, weights_only = chosen
+        path = entry.path
+        self._check_planned_saves(entries, 0 if weights_only else entry.step, last_step)
         t0 = time.perf_counter()
-        md = read_metadata(path)
-        weights_only = all(is_model_key(k) for k in md.state_dict_metadata)
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, getattr(self.states.get(DATALOADER), "dp_degree", None))
         try:
-            dcp.load(sd, checkpoint_id=path)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path, md))
         except (Exception, CheckpointException) as e:  # gathers every rank's failure: all ranks raise here
             failures = getattr(e, "failures", None)
             cause = next(iter(failures.values()))[0] if failures else e
-            raise ConfigError(
+            if isinstance(cause, CheckpointError):  # refused as unsafe: its own line
+                raise CheckpointError(str(cause)) from None
+            raise CheckpointError(
                 f"checkpoint {path} could not be read (corrupt?): {type(cause).__name__}: {cause}"
             ) from None
         model = self.states[MODEL]
@@ -285,16 +374,24 @@ class CheckpointManager:
                     set_optimizer_state_dict(model, obj, sd[name], options=_OPTIM_OPTIONS)
                 elif name != MODEL:
                     obj.load_state_dict(sd[name])
-        self._remove_stale()
+        self._remove_killed_saves()
         kind = "model weights only; training starts at step 0" if weights_only else "full state"
         logger.info(f"Loaded checkpoint {path} ({kind}) in {time.perf_counter() - t0:.2f} s")
         return int(sd[TRAIN_STATE]["step"]) if TRAIN_STATE in sd else 0
+
+    def _remove_killed_saves(self) -> None:
+        self._barrier()  # every rank has listed the folder before rank 0 changes it
+        if self.rank == 0:
+            remove_killed_saves(self.folder)
 
     # ------------------------------------------------------------------ save
 
     def due(self, step: int, last: bool = False) -> bool:
         """Whether maybe_save(step, last) will write a checkpoint."""
         return self.enabled and (last or step % self.cfg.interval == 0)
+
+    def _weights_only_save(self, last: bool) -> bool:
+        return self.cfg.model_weights_only or (last and self.cfg.last_save_model_weights_only)
 
     def maybe_save(self, step: int, last: bool = False) -> None:
         """Save at every `interval` steps and at the last step; finish a background save that is done."""
@@ -304,9 +401,24 @@ class CheckpointManager:
             self._finish_pending()
         if not self.due(step, last):
             return
-        weights_only = self.cfg.model_weights_only or (last and self.cfg.last_save_model_weights_only)
+        weights_only = self._weights_only_save(last)
         self._finish_pending()  # one save in flight at a time
         self._save(step, weights_only, background=self.mode != "disabled" and not last)
+
+    def _prepare(self, name: str) -> None:
+        """Rank 0 creates `name.tmp` (marked as kiln's) before any rank writes into it; all ranks learn refusals."""
+        error = None
+        if self.rank == 0:
+            try:
+                prepare_save(self.folder, name)
+            except CheckpointError as e:
+                error = str(e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self._pg)  # also keeps ranks > 0 out of the folder till now
+            error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
 
     def _save(self, step: int, weights_only: bool, background: bool) -> None:
         t0 = time.perf_counter()
@@ -315,17 +427,19 @@ class CheckpointManager:
         if weights_only and dtype != "float32":
             # checkpoint.export_dtype's choices are torch dtype names
             sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
-        tmp = step_dir(self.folder, step) + ".tmp"
+        name = save_name(step, export=weights_only)
+        self._prepare(name)
+        tmp = os.path.join(self.folder, name + ".tmp")
         if background:
             kwargs = {"async_stager": self._stager} if self._stager is not None else {}
             result = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._pg, **kwargs)
             future = getattr(result, "upload_completion", result)  # AsyncSaveResponse with a custom stager
             self._pending = (future, step, weights_only, t0)
-            logger.info(f"Checkpoint step-{step}: staged in {time.perf_counter() - t0:.2f} s, writing in background")
+            logger.info(f"Checkpoint {name}: staged in {time.perf_counter() - t0:.2f} s, writing in background")
             return
         dcp.save(sd, checkpoint_id=tmp)
         self._publish(step, weights_only)
-        logger.info(f"Saved checkpoint {step_dir(self.folder, step)} in {time.perf_counter() - t0:.2f} s")
+        logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -334,7 +448,8 @@ class CheckpointManager:
         self._pending = None
         future.result()  # re-raises a failed background save
         self._publish(step, weights_only)
-        logger.info(f"Saved checkpoint {step_dir(self.folder, step)} in {time.perf_counter() - t0:.2f} s (async)")
+        name = save_name(step, export=weights_only)
+        logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s (async)")
 
     def _publish(self, step: int, weights_only: bool) -> None:
         """Rank 0: make a finished save visible (marker, then rename), then apply keep_latest_k.
@@ -344,40 +459,18 @@ class CheckpointManager:
         """
         if self.rank != 0:
             return
-        final = step_dir(self.folder, step)
-        tmp = final + ".tmp"
         dtype = self.cfg.export_dtype if weights_only else "float32"
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump(self._marker(step, weights_only, dtype), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):  # resumed from an earlier step: replace; _recover_and_list undoes a half swap
-            logger.warning(f"Replacing existing checkpoint {final}")
-            os.rename(final, final + ".old")
-            os.rename(tmp, final)
-            shutil.rmtree(final + ".old")
-        else:
-            os.rename(tmp, final)
-        fd = os.open(self.folder, os.O_RDONLY)  # make the rename itself durable
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self._purge()
-
-    def _purge(self) -> None:
-        """keep_latest_k: delete the oldest complete checkpoints; the newest (just published) always stays."""
-        k = self.cfg.keep_latest_k
-        if k <= 0:
-            return
-        for old in complete_steps(self.folder)[:-k]:
-            logger.info(f"keep_latest_k={k}: deleting {step_dir(self.folder, old)}")
-            shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
+        publish(self.folder, save_name(step, export=weights_only), self._marker(step, weights_only, dtype))
+        purge(self.folder, self.cfg.keep_latest_k)
 
     def close(self) -> None:
-        """Wait for a background save to finish and publish it."""
-        if self.enabled:
-            self._finish_pending()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        """Wait for a background save to finish and publish it; let go of the folder lock."""
+        try:
+            if self.enabled:
+                self._finish_pending()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self.claim is not None:
+                self.claim.release()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import queue
 import threading
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import torch
 
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
+from trainer.errors import CheckpointError
 
 logger = logging.getLogger("kiln")
 
@@ -178,6 +178,24 @@ class TokenWindows:
         self.data.set_epoch(self.epoch)
 
 
+def _encode(position: dict[str, Any]) -> bytes:
+    """The loader position (plain ints, strings, lists, dicts) as JSON bytes: loading it can run no code."""
+    return json.dumps(position).encode()
+
+
+def _decode(data: Any, key: str) -> dict[str, Any]:
+    try:
+        position = json.loads(data)
+    except (TypeError, ValueError):  # e.g. a pickled position from an older kiln: never unpickled
+        position = None
+    if not isinstance(position, dict) or not {"data", "buffer", "epoch"} <= position.keys():
+        raise CheckpointError(
+            f"checkpoint data-loader position dataloader.{key} is not a JSON position (written by an older kiln, or "
+            "crafted); kiln does not unpickle it: resume from a newer checkpoint or start the data from the beginning"
+        )
+    return position
+
+
 class DataLoader:
     """Batches windows into (inputs, labels) LongTensors of shape [local_batch_size, seq_len].
 
@@ -195,7 +213,7 @@ class DataLoader:
         self.batch_size = batch_size
         self.prefetch = prefetch
         self.pin_memory = pin_memory
-        self._position = pickle.dumps(windows.state_dict())  # after the last batch handed out
+        self._position = _encode(windows.state_dict())  # after the last batch handed out
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -208,7 +226,7 @@ class DataLoader:
         batch = torch.tensor([next(it) for _ in range(self.batch_size)], dtype=torch.long)
         if self.pin_memory:
             batch = batch.pin_memory()
-        return batch[:, :-1], batch[:, 1:], pickle.dumps(self.windows.state_dict())
+        return batch[:, :-1], batch[:, 1:], _encode(self.windows.state_dict())
 
     def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
         it = iter(self.windows)
@@ -256,7 +274,7 @@ class DataLoader:
         self._reset()
 
     def state_dict(self) -> dict[str, bytes]:
-        """{dp_rank_R: pickled position}: bytes, so DCP stores it as one opaque item per rank."""
+        """{dp_rank_R: position as JSON}: bytes, so DCP stores it as one opaque item per rank."""
         return {self.state_key: self._position}
 
     def load_state_dict(self, state: dict[str, bytes]) -> None:
@@ -266,7 +284,7 @@ class DataLoader:
             )
         self._reset()
         self._position = state[self.state_key]
-        self.windows.load_state_dict(pickle.loads(self._position))
+        self.windows.load_state_dict(_decode(self._position, self.state_key))
 
 
 def build_dataloader(
