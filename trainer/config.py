@@ -22,6 +22,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from trainer import torchtitan_compat
 from trainer.errors import ConfigError
 
 __all__ = ["ConfigError", "JobConfig", "parse_args", "to_toml", "format_help"]
@@ -360,8 +361,11 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     items = _parse_cli(argv)
     cfg = JobConfig()
     config_file = next((v for s, k, v in items if (s, k) == ("job", "config_file")), None)
+    toml = _load_toml(config_file) if config_file else {}
+    # torchtitan's key names (v0.1.0 .. v0.2.2) -> kiln's, before anything is set: see trainer/torchtitan_compat.py
+    toml, items = torchtitan_compat.resolve(cfg, toml, items, config_file, _convert)
     if config_file:
-        for section, values in _load_toml(config_file).items():
+        for section, values in toml.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{config_file}: '{section}' must be a [section] table")
             for key, raw in values.items():
