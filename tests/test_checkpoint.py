@@ -4,6 +4,7 @@ async + keep_latest_k + weights-only export, float8 (FSDP float8 all-gather) wei
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import train as train_entry
 from models import LLAMA3_FLAVORS, ModelArgs
 from tests.common import tiny_run_args
-from trainer.components.checkpoint import CheckpointManager, read_metadata
+from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
 from trainer.config import Checkpoint, ConfigError, parse_args
 from trainer.train import Trainer
 
@@ -296,3 +297,63 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         assert train_step(model2, opt2) == expected
     finally:
         dist.destroy_process_group()
+
+
+class _StepCounter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+
+def _damage(step: Path, how: str) -> None:
+    if how == "no_metadata":  # e.g. a partial copy: the shards are there, DCP's index is not
+        (step / ".metadata").unlink()
+    elif how == "truncated_metadata":
+        meta = step / ".metadata"
+        os.truncate(meta, meta.stat().st_size // 2)
+    else:  # a shard cut short: the index is fine, a piece it points to is not there
+        shard = step / "__0_0.distcp"
+        os.truncate(shard, shard.stat().st_size - 8)
+
+
+@pytest.mark.parametrize("how", ["no_metadata", "truncated_metadata", "truncated_shard"])
+def test_incomplete_newest_checkpoint_is_never_latest(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Steps 1-3 saved; step-3 (then also step-2) damaged: the newest complete step loads, a warning names each
+    passed-over folder, which is set aside (renamed, not deleted) so retention never counts it."""
+    caplog.set_level(logging.WARNING, logger="kiln")
+
+    def manager() -> tuple[CheckpointManager, torch.nn.Linear, _StepCounter]:
+        model, counter = torch.nn.Linear(16, 16, bias=False), _StepCounter()
+        cfg = Checkpoint(enable_checkpoint=True, interval=1)
+        return CheckpointManager(cfg, str(tmp_path), {"model": model, "train_state": counter}), model, counter
+
+    saver, model, counter = manager()
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        counter.step = step
+        saver.maybe_save(step)
+    _damage(tmp_path / "step-3", how)
+    # The cheap listing (retention, the NaN guard's "last good") already leaves out a folder without an index.
+    assert complete_steps(str(tmp_path)) == ([1, 2] if how == "no_metadata" else [1, 2, 3])
+
+    loader, model, counter = manager()
+    assert loader.load() == 2 and counter.step == 2 and bool((model.weight == 2).all())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"Checkpoint folder {tmp_path / 'step-3'} is incomplete" in w for w in warnings), warnings
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2", "step-3.incomplete"]
+    assert complete_steps(str(tmp_path)) == [1, 2]
+
+    caplog.clear()
+    _damage(tmp_path / "step-2", how)
+    loader, model, counter = manager()
+    assert loader.load() == 1 and bool((model.weight == 1).all())
+    assert any(f"{tmp_path / 'step-2'} is incomplete" in r.getMessage() for r in caplog.records)
+    assert complete_steps(str(tmp_path)) == [1]

@@ -240,6 +240,44 @@ class CheckpointManager:
                 logger.warning(f"Removing incomplete checkpoint {os.path.join(self.folder, name)} (a killed save)")
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
 
+    def _newest_readable(self, steps: list[int]) -> tuple[int | None, list[str]]:
+        """The newest step-N whose DCP index reads and whose files are all there, and the newer step-N folders
+        passed over (each named in a warning). A folder without `.metadata` (a partial copy, a foreign save) or
+        with a truncated or missing piece is never the latest. When folders with `.metadata` exist but none reads,
+        the newest one's error is raised: a damaged run is not silently restarted from scratch."""
+        names = os.listdir(self.folder) if os.path.isdir(self.folder) else []
+        all_steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, names) if m), reverse=True)
+        skipped: list[str] = []
+        first_error: ConfigError | None = None
+        for step in all_steps:
+            path = step_dir(self.folder, step)
+            if step not in steps:
+                reason = "it has no .metadata (an unfinished or partial copy)"
+            else:
+                try:
+                    read_metadata(path)
+                    return step, skipped
+                except ConfigError as e:
+                    first_error = first_error or e
+                    reason = str(e)
+            logger.warning(f"Checkpoint folder {path} is incomplete and is not loaded: {reason}")
+            skipped.append(path)
+        if first_error is not None:
+            raise first_error
+        return None, skipped
+
+    def _set_aside(self, paths: list[str]) -> None:
+        """Rank 0, after a successful load: rename passed-over step-N folders to step-N.incomplete, so retention
+        and later saves never count them as checkpoints nor replace them; nothing is deleted."""
+        if self.rank != 0:
+            return
+        for path in paths:
+            target = path + ".incomplete"
+            while os.path.exists(target):
+                target += "_"
+            os.rename(path, target)
+            logger.warning(f"Renamed incomplete checkpoint folder {path} to {target}")
+
     def load(self) -> int:
         """Load the latest (or checkpoint.load_step) checkpoint into `states`; return its step (0 if none).
 
@@ -250,6 +288,7 @@ class CheckpointManager:
         if not self.enabled:
             return 0
         steps = self._recover_and_list()
+        skipped: list[str] = []  # newer step-N folders that are not complete checkpoints
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 raise ConfigError(
@@ -257,12 +296,13 @@ class CheckpointManager:
                     f"{step_dir(self.folder, self.cfg.load_step)} (available steps: {steps or 'none'})"
                 )
             step = self.cfg.load_step
-        elif not steps:
-            logger.info(f"No checkpoint in {self.folder}: training from scratch")
-            self._remove_stale()
-            return 0
         else:
-            step = steps[-1]
+            step, skipped = self._newest_readable(steps)
+            if step is None:
+                logger.info(f"No checkpoint in {self.folder}: training from scratch")
+                self._remove_stale()
+                self._set_aside(skipped)
+                return 0
         path = step_dir(self.folder, step)
         t0 = time.perf_counter()
         md = read_metadata(path)
@@ -286,6 +326,7 @@ class CheckpointManager:
                 elif name != MODEL:
                     obj.load_state_dict(sd[name])
         self._remove_stale()
+        self._set_aside(skipped)
         kind = "model weights only; training starts at step 0" if weights_only else "full state"
         logger.info(f"Loaded checkpoint {path} ({kind}) in {time.perf_counter() - t0:.2f} s")
         return int(sd[TRAIN_STATE]["step"]) if TRAIN_STATE in sd else 0
