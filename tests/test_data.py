@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.components.data import build_dataloader
+from trainer.components.data import DataLoader, build_dataloader
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
 
@@ -151,6 +151,14 @@ def test_bad_dataset_path_exits_2_with_one_line(tmp_path: Path, capsys: pytest.C
     )
 
 
+def _wait_until_produced(dl: DataLoader, batches: int) -> None:
+    """Block until the prefetch thread has queued `batches` batches in all (no sleeps: the queue's own condition
+    is notified on every put; unfinished_tasks counts puts, as nothing calls task_done)."""
+    q = dl._queue
+    with q.not_empty:
+        assert q.not_empty.wait_for(lambda: q.unfinished_tasks >= batches, timeout=120), q.unfinished_tasks
+
+
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_prefetch_gives_same_batches_and_exact_state(prefetch: int) -> None:
     """Prefetching must not change the batches nor let the saved position run ahead of the consumed batches."""
@@ -160,7 +168,9 @@ def test_prefetch_gives_same_batches_and_exact_state(prefetch: int) -> None:
     dl = loader(seq_len=64)
     dl.prefetch = prefetch
     got = [next(dl)[0] for _ in range(3)]
-    state = dl.state_dict()  # the producer thread is ahead by now; the state must not be
+    if prefetch:
+        _wait_until_produced(dl, 3 + prefetch)  # the producer is `prefetch` batches ahead, every time
+    state = dl.state_dict()
     dl.close()
     resumed = loader(seq_len=64)
     resumed.prefetch = prefetch
