@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 TOKENIZER_PATH = ROOT / "assets" / "tokenizer" / "tokenizer.model"
+# A guard against hangs, never a verdict: a loaded 2-core machine can take minutes to import torch in a subprocess.
+HANG_TIMEOUT_S = 900
 
 
 def tiny_run_args(*extra: str, ac: str = "none") -> list[str]:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.common import ROOT
+
 LAYERS: list[tuple[str, ...]] = [
     ("trainer.errors",),
     ("trainer.config",),

@@ -19,13 +19,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import train as train_entry
 from models import LLAMA3_FLAVORS, ModelArgs
-from tests.common import tiny_run_args
+from tests.common import HANG_TIMEOUT_S, ROOT, open_trainer, tiny_run_args
+from tests.common import run_trainer as run_to_end
 from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
 from trainer.config import Checkpoint, ConfigError, parse_args
 from trainer.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 DRIVER = str(ROOT / "tests" / "ckpt_driver.py")
 TINY = tiny_run_args("--training.deterministic")
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000)
@@ -35,15 +34,6 @@ SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, r
 def small_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process runs use a 2-layer, dim-64 debugmodel: the saves are about 1 MB instead of 76 MB."""
     monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_process_group():
-    """A Trainer that fails in __init__ never reaches close(): do not leak its process group or determinism."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch.use_deterministic_algorithms(False)
 
 
 def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None) -> tuple[int, list[float]]:
@@ -58,7 +48,7 @@ def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = N
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_TIMEOUT_S,
         cwd=ROOT,
     )
     (dump.parent / f"{dump.name}.log").write_text(proc.stdout + proc.stderr)  # for debugging failures
@@ -119,12 +109,7 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
 
 
 def run_trainer(dump: Path, *args: str) -> Trainer:
-    trainer = Trainer(parse_args([*TINY, "--job.dump_folder", str(dump), *args]))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer
+    return run_to_end([*TINY, "--job.dump_folder", str(dump), *args])
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -157,15 +142,13 @@ def test_async_keep_latest_k_and_weights_only_export(
     assert json.loads((folder / "step-6" / "kiln.json").read_text())["model_weights_only"] is True
 
     # The latest is the weights-only export: it loads as initial weights and training starts at step 0.
-    resumed = Trainer(parse_args([*TINY, "--job.dump_folder", str(tmp_path), *ckpt]))
-    assert resumed.step == 0
-    for k, v in resumed.model.state_dict().items():
-        assert torch.equal(v, final[k].to(torch.bfloat16).float()), k
-    resumed.close()
+    with open_trainer([*TINY, "--job.dump_folder", str(tmp_path), *ckpt]) as resumed:
+        assert resumed.step == 0
+        for k, v in resumed.model.state_dict().items():
+            assert torch.equal(v, final[k].to(torch.bfloat16).float()), k
     # load_step picks the full step-4 checkpoint (written in the background) instead.
-    resumed = Trainer(parse_args([*TINY, "--job.dump_folder", str(tmp_path), *ckpt, "--checkpoint.load_step", "4"]))
-    assert resumed.step == 4 and resumed.lr_scheduler.last_epoch == 4
-    resumed.close()
+    with open_trainer([*TINY, "--job.dump_folder", str(tmp_path), *ckpt, "--checkpoint.load_step", "4"]) as resumed:
+        assert resumed.step == 4 and resumed.lr_scheduler.last_epoch == 4
 
 
 def test_bad_checkpoints_are_clear_errors_and_touch_nothing(
