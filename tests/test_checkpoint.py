@@ -60,6 +60,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> None:
     """Killed inside step 15's save (all files written, folder not yet renamed): step-10 stays the latest,
     the resumed run loads it and reproduces the straight run's losses for steps 11-20 bitwise."""
@@ -80,6 +81,8 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
     assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
     """FSDP on 2 gloo ranks: a run killed after its step-10 checkpoint, resumed to 20, equals a straight run;
     each rank's data position is stored under its own key; a 1-process run refuses the 2-rank checkpoint."""

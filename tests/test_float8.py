@@ -316,6 +316,7 @@ def bf16_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return train(tmp_path_factory.mktemp("bf16")).losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_float8_recipe_tracks_bf16(
     recipe: str, bf16_losses: list[float], tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -348,6 +349,7 @@ ROWWISE_FP32 = ["--float8.enable_float8_linear", "--float8.recipe_name", "rowwis
 ROWWISE_FP32 += ["--training.mixed_precision_param", "float32"]
 
 
+@pytest.mark.slow
 def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: Path) -> None:
     """The seed's 1-GPU failure: rowwise with fp32 weights and no mixed precision. torchao>=0.18 asks the rowwise
     kernel for bf16 and upcasts, so this trains and tracks the bf16 run (measured: within 0.1%)."""
@@ -415,6 +417,7 @@ def _fsdp_precompute_rank(dump: str) -> tuple[int, list[float]]:
         return checked, trainer.losses
 
 
+@pytest.mark.distributed
 def test_precompute_hook_sets_global_scales_under_fsdp(tmp_path: Path) -> None:
     """2 gloo ranks, FSDP2 with float8 all-gather: after each step every shard's precomputed scale is the
     scale of the whole (unsharded) weight, i.e. the hook ran and all-reduced the amaxes."""

@@ -94,6 +94,7 @@ def _fsdp_rank() -> dict[str, tuple]:
     return totals
 
 
+@pytest.mark.distributed
 def test_fsdp_two_ranks_rowwise_per_op_sac() -> None:
     for totals in run_distributed(_fsdp_rank, 2):
         good, bad = totals["torchtitan"], totals["with_abs"]
