@@ -1,11 +1,25 @@
-"""What many tests share: the repo root and the arguments of a tiny, exact (fp32) debug-model run."""
+"""What many tests share: the repo root, a tiny exact (fp32) debug-model run, a Trainer that always closes.
+
+Module-level names here serve code that runs at import time (constants, parametrize lists); tests/conftest.py
+offers the same as fixtures.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
+TOKENIZER_PATH = ROOT / "assets" / "tokenizer" / "tokenizer.model"
+# A guard against hangs, never a verdict: a loaded 2-core machine can take minutes to import torch in a subprocess.
+HANG_TIMEOUT_S = 900
 
 
 def tiny_run_args(*extra: str, ac: str = "none") -> list[str]:
@@ -15,3 +29,31 @@ def tiny_run_args(*extra: str, ac: str = "none") -> list[str]:
         *("--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", ac),
         *extra,
     ]
+
+
+@contextlib.contextmanager
+def open_trainer(argv: list[str]) -> Iterator[Trainer]:
+    """A Trainer built from train.py arguments, closed (data thread, checkpoint, process group) however the
+    block ends. A Trainer that fails in __init__ leaves its process group to conftest's cleanup fixture."""
+    from trainer.config import parse_args
+    from trainer.train import Trainer  # lazy: importing tests.common stays light
+
+    trainer = Trainer(parse_args(argv))
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+
+
+def run_trainer(argv: list[str]) -> Trainer:
+    """Build, train to training.steps and close a Trainer; return it (losses, model, step) for inspection."""
+    with open_trainer(argv) as trainer:
+        trainer.train()
+    return trainer
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,16 +1,52 @@
-"""Shared fixtures: process-group cleanup after every test, and the tiny-run helpers of tests/common.py."""
+"""Shared fixtures: process-group and determinism cleanup after every test, the repo root, tiny-run arguments,
+and Trainers that are always closed. The same helpers are importable from tests/common.py for module-level use."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+
+from tests.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
 
 
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group() -> Iterator[None]:
-    """A test that fails half-way through building a Trainer must not leave its process group to the next."""
+    """A test that fails half-way through building a Trainer must not leave its process group (or the global
+    deterministic-algorithms switch that training.deterministic sets) to the next."""
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def debug_config() -> str:
+    """Path of train_configs/debug_model.toml."""
+    return DEBUG_CONFIG
+
+
+@pytest.fixture
+def tiny_args(tmp_path: Path) -> Callable[..., list[str]]:
+    """tiny_args(*extra) -> train.py arguments for the tiny fp32 debug run, dumping under this test's tmp_path."""
+
+    def make(*extra: str, ac: str = "none") -> list[str]:
+        return tiny_run_args("--job.dump_folder", str(tmp_path), *extra, ac=ac)
+
+    return make
+
+
+@pytest.fixture
+def make_trainer() -> Iterator[Callable[[list[str]], object]]:
+    """make_trainer(argv) -> a Trainer that is closed when the test ends, pass or fail."""
+    with contextlib.ExitStack() as stack:
+        yield lambda argv: stack.enter_context(open_trainer(argv))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.common import free_port
+
 TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.common import ROOT
+
 LAYERS: list[tuple[str, ...]] = [
     ("trainer.errors",),
     ("trainer.torchtitan_compat",),  # below trainer.config, which calls it (same-layer siblings may not import)

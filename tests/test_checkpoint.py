@@ -4,6 +4,7 @@ async + keep_latest_k + weights-only export, float8 (FSDP float8 all-gather) wei
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -18,14 +19,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import train as train_entry
 from models import LLAMA3_FLAVORS, ModelArgs
-from tests.common import tiny_run_args
-from trainer.components.checkpoint import CheckpointManager, read_metadata
+from tests.common import HANG_TIMEOUT_S, ROOT, tiny_run_args
+from tests.common import run_trainer as run_to_end
+from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
 from trainer.config import Checkpoint, parse_args
 from trainer.errors import CheckpointError
 from trainer.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 DRIVER = str(ROOT / "tests" / "ckpt_driver.py")
 TINY = tiny_run_args("--training.deterministic")
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000)
@@ -35,15 +35,6 @@ SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, r
 def small_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process runs use a 2-layer, dim-64 debugmodel: the saves are about 1 MB instead of 76 MB."""
     monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_process_group():
-    """A Trainer that fails in __init__ never reaches close(): do not leak its process group or determinism."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch.use_deterministic_algorithms(False)
 
 
 def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None) -> tuple[int, list[float]]:
@@ -58,7 +49,7 @@ def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = N
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_TIMEOUT_S,
         cwd=ROOT,
     )
     (dump.parent / f"{dump.name}.log").write_text(proc.stdout + proc.stderr)  # for debugging failures
@@ -80,6 +71,7 @@ def names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> None:
     """Killed inside step 15's save (all files written, folder not yet renamed): step-10 stays the latest,
     the resumed run loads it and reproduces the straight run's losses for steps 11-20 bitwise."""
@@ -100,6 +92,8 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
     assert names(folder) == ["step-10", "step-15", "step-20", "step-5"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
     """FSDP on 2 gloo ranks: a run killed after its step-10 checkpoint, resumed to 20, equals a straight run;
     each rank's data position is stored under its own key; a 1-process run refuses the 2-rank checkpoint."""
@@ -129,12 +123,7 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
 
 
 def run_trainer(dump: Path, *args: str) -> Trainer:
-    trainer = Trainer(parse_args([*TINY, "--job.dump_folder", str(dump), *args]))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer
+    return run_to_end([*TINY, "--job.dump_folder", str(dump), *args])
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -309,3 +298,64 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         assert train_step(model2, opt2) == expected
     finally:
         dist.destroy_process_group()
+
+
+class _StepCounter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+
+def _damage(step: Path, how: str) -> None:
+    if how == "no_metadata":  # e.g. a partial copy: the shards are there, DCP's index is not
+        (step / ".metadata").unlink()
+    elif how == "truncated_metadata":
+        meta = step / ".metadata"
+        os.truncate(meta, meta.stat().st_size // 2)
+    else:  # a shard cut short: the index is fine, a piece it points to is not there
+        shard = step / "__0_0.distcp"
+        os.truncate(shard, shard.stat().st_size - 8)
+
+
+@pytest.mark.parametrize("how", ["no_metadata", "truncated_metadata", "truncated_shard"])
+def test_incomplete_newest_checkpoint_is_never_latest(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Steps 1-3 saved; step-3 (then also step-2) damaged: the newest complete step loads, a warning names each
+    passed-over folder, and kiln leaves it as it is (it may be a user's partial copy: never deleted or renamed)."""
+    caplog.set_level(logging.WARNING, logger="kiln")
+
+    def manager() -> tuple[CheckpointManager, torch.nn.Linear, _StepCounter]:
+        model, counter = torch.nn.Linear(16, 16, bias=False), _StepCounter()
+        cfg = Checkpoint(enable_checkpoint=True, interval=1)
+        return CheckpointManager(cfg, str(tmp_path), {"model": model, "train_state": counter}), model, counter
+
+    saver, model, counter = manager()
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        counter.step = step
+        saver.maybe_save(step)
+    saver.close()
+    _damage(tmp_path / "step-3", how)
+    # The cheap listing (retention, the NaN guard's "last good") already leaves out a folder without an index.
+    assert complete_steps(str(tmp_path)) == ([1, 2] if how == "no_metadata" else [1, 2, 3])
+
+    loader, model, counter = manager()
+    assert loader.load() == 2 and counter.step == 2 and bool((model.weight == 2).all())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("damaged checkpoint" in w and str(tmp_path / "step-3") in w for w in warnings), warnings
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step-1", "step-2", "step-3"]
+    loader.close()
+
+    caplog.clear()
+    _damage(tmp_path / "step-2", how)
+    loader, model, counter = manager()
+    assert loader.load() == 1 and bool((model.weight == 1).all())
+    assert any(str(tmp_path / "step-2") in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    loader.close()

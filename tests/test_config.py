@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT
 from trainer.config import ConfigError, JobConfig, format_help, parse_args, to_toml
-
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 
 
 def test_precedence_defaults_toml_cli() -> None:
     assert JobConfig().training.steps == 10000
-    cfg = parse_args(["--job.config_file", DEBUG])
+    cfg = parse_args(["--job.config_file", DEBUG_CONFIG])
     assert cfg.training.steps == 10 and cfg.optimizer.lr == 8e-4 and cfg.lr_scheduler.warmup_steps == 2
-    cfg = parse_args(["--job.config_file", DEBUG, "--training.steps", "7", "--optimizer.lr=1e-3"])
+    cfg = parse_args(["--job.config_file", DEBUG_CONFIG, "--training.steps", "7", "--optimizer.lr=1e-3"])
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-3
 
 
@@ -86,7 +84,9 @@ def test_bad_input_raises_config_error(argv: list[str], message: str) -> None:
 
 
 def _run_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S
+    )
 
 
 def test_malformed_toml_names_file_and_line(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_entry_point_exits_2_with_one_line(argv: list[str], message: str) -> Non
 def test_garbage_tokenizer_file_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "tokenizer.model"
     bad.write_text("this is not a tiktoken file\n")
-    proc = _run_train("--job.config_file", DEBUG, "--model.tokenizer_path", str(bad))
+    proc = _run_train("--job.config_file", DEBUG_CONFIG, "--model.tokenizer_path", str(bad))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("kiln: error: model.tokenizer_path")
     assert str(bad) in proc.stderr and "Traceback" not in proc.stderr
@@ -131,7 +131,11 @@ def test_config_import_is_light() -> None:
 
 def test_run_train_sh_reports_config_errors_before_torchrun() -> None:
     proc = subprocess.run(
-        ["bash", "run_train.sh", "--training.stpes", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        ["bash", "run_train.sh", "--training.stpes", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_TIMEOUT_S,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

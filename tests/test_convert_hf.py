@@ -11,16 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer
 from models.args import ffn_hidden_dim
-from tests.common import tiny_run_args
-from trainer.config import parse_args
-from trainer.train import Trainer
+from tests.common import ROOT, open_trainer, run_trainer, tiny_run_args
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000)
 
 
@@ -129,19 +125,14 @@ def test_round_trip_is_identical_and_config_maps_back() -> None:
 
 @pytest.fixture
 def small_debugmodel(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)  # conftest ends any process group left behind
 
 
 def test_cli_trainer_checkpoint_to_hf_and_back(tmp_path: Path, small_debugmodel: None, capsys) -> None:
     from safetensors.torch import load_file
 
     base = tiny_run_args("--checkpoint.enable_checkpoint")
-    trainer = Trainer(parse_args([*base, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1"]))
-    trainer.train()
-    trainer.close()
+    trainer = run_trainer([*base, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1"])
     tokens = torch.randint(0, 2256, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = trainer.model(tokens)
@@ -165,11 +156,9 @@ def test_cli_trainer_checkpoint_to_hf_and_back(tmp_path: Path, small_debugmodel:
 
     # The converted weights-only checkpoint is a starting point for a new kiln run.
     argv = [*base, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.folder", str(back)]
-    loaded = Trainer(parse_args(argv))
-    assert loaded.step == 0
-    with torch.no_grad():
+    with open_trainer(argv) as loaded, torch.no_grad():
+        assert loaded.step == 0
         assert torch.equal(loaded.model(tokens), expected)
-    loaded.close()
 
     assert conv.main(["to_hf", str(back), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}

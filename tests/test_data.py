@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.components.data import build_dataloader
+from tests.common import HANG_TIMEOUT_S, TOKENIZER_PATH
+from trainer.components.data import DataLoader, build_dataloader
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = Tokenizer(str(ROOT / "assets" / "tokenizer" / "tokenizer.model"))
+TOKENIZER = Tokenizer(str(TOKENIZER_PATH))
 
 
 def loader(path: Path | None = None, seq_len: int = 32, batch: int = 2, rank: int = 0, world: int = 1):
@@ -132,23 +132,25 @@ def test_unreadable_dataset_files_are_named(tmp_path: Path) -> None:
 
 
 def test_bad_dataset_path_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    import torch.distributed as dist
-
     import train
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("[1, 2]\n")
     argv = ["--job.dump_folder", str(tmp_path), "--training.dataset_path", str(bad), "--training.seq_len", "32"]
-    try:
-        assert train.main(argv) == 2
-    finally:
-        if dist.is_initialized():  # the Trainer failed in __init__, before close()
-            dist.destroy_process_group()
+    assert train.main(argv) == 2  # the Trainer failed in __init__: conftest ends its process group
     err = capsys.readouterr().err.strip()
     assert (
         err
         == f"kiln: error: training.dataset_path: cannot read {bad}: its first record has no 'text' field (has: list)"
     )
+
+
+def _wait_until_produced(dl: DataLoader, batches: int) -> None:
+    """Block until the prefetch thread has queued `batches` batches in all (no sleeps: the queue's own condition
+    is notified on every put; unfinished_tasks counts puts, as nothing calls task_done)."""
+    q = dl._queue
+    with q.not_empty:
+        assert q.not_empty.wait_for(lambda: q.unfinished_tasks >= batches, timeout=HANG_TIMEOUT_S), q.unfinished_tasks
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
@@ -160,7 +162,9 @@ def test_prefetch_gives_same_batches_and_exact_state(prefetch: int) -> None:
     dl = loader(seq_len=64)
     dl.prefetch = prefetch
     got = [next(dl)[0] for _ in range(3)]
-    state = dl.state_dict()  # the producer thread is ahead by now; the state must not be
+    if prefetch:
+        _wait_until_produced(dl, 3 + prefetch)  # the producer is `prefetch` batches ahead, every time
+    state = dl.state_dict()
     dl.close()
     resumed = loader(seq_len=64)
     resumed.prefetch = prefetch

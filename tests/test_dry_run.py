@@ -10,17 +10,16 @@ import pytest
 import train
 from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims
+from tests.common import DEBUG_CONFIG, ROOT, open_trainer
 from tests.sac_helpers import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
 from trainer.config import ActivationCheckpoint, Training, parse_args
 from trainer.tools.dry_run import dry_run, memory_estimate
 from trainer.tools.saved_activations import measure_saved_activations
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_debug_plan_fsdp_tp_float8() -> None:
     cfg = parse_args(
-        ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dry_run"]
+        ["--job.config_file", DEBUG_CONFIG, "--job.dry_run"]
         + ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
         + ["--float8.enable_float8_linear", "--activation_checkpoint.selective_ac_option", "op"]
     )
@@ -69,16 +68,11 @@ def test_dry_run_plans_the_model_the_trainer_builds(overrides: list[str], tmp_pa
     including the model.n_layers / vocab_size overrides that an earlier, separate dry-run build ignored."""
     import re
 
-    from trainer.train import Trainer
-
-    base = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *overrides]
+    base = ["--job.config_file", DEBUG_CONFIG, *overrides]
     base += ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.local_batch_size", "1"]
     plan = dry_run(parse_args([*base, "--job.dry_run"]))
     planned = int(re.search(r"parameters: ([\d,]+)", plan).group(1).replace(",", ""))
     layers = int(re.search(r", (\d+) layers", plan).group(1))
-    trainer = Trainer(parse_args(base))
-    try:
+    with open_trainer(base) as trainer:
         assert (planned, layers) == (trainer.n_params, len(trainer.model.layers))
-    finally:
-        trainer.close()
     assert layers == (2 if overrides else LLAMA3_FLAVORS["debugmodel"].n_layers)

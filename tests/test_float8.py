@@ -20,13 +20,11 @@ import torch.nn as nn
 
 from float8.converter import Float8Converter, build_float8_converter, too_small_to_gain
 from models import LLAMA3_FLAVORS, Transformer
-from tests.common import tiny_run_args
+from tests.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT, open_trainer, run_trainer, tiny_run_args
 from tests.distributed import run_distributed
 from trainer.config import ConfigError, Float8, parse_args
 from trainer.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1")
 BLOCK_LINEARS += ("feed_forward.w2", "feed_forward.w3")
 
@@ -267,8 +265,10 @@ ENV_CASES = [
 def test_entry_point_exits_2_with_one_line(patch: str, argv: list[str], message: str) -> None:
     """`python train.py ...` (with a patch applied first where the machine cannot show the case) exits 2."""
     code = f"{patch}\nimport sys, train\nsys.exit(train.main(sys.argv[1:]))"
-    argv = ["--job.config_file", DEBUG, "--job.dump_folder", "/tmp/kiln_f8_invalid", *argv]
-    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", "/tmp/kiln_f8_invalid", *argv]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kiln: error: ") and message in lines[0], proc.stderr
@@ -295,38 +295,16 @@ def test_float8_validation_import_is_light() -> None:
     code = "import sys, trainer.config, float8.validation\n"
     code += "assert 'torch' not in sys.modules and 'torchao' not in sys.modules"
     code += "\nimport float8.converter; assert 'torchao' not in sys.modules, 'converter imports torchao eagerly'"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=HANG_TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------- training
 
 
 def train(tmp_path: Path, *overrides: str, steps: int = 20) -> Trainer:
-    cfg = parse_args(
-        [
-            "--job.config_file",
-            DEBUG,
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "4",
-            "--training.steps",
-            str(steps),
-            "--training.seed",
-            "0",
-            "--activation_checkpoint.mode",
-            "none",
-            *overrides,
-        ]
-    )
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer
+    argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64"]
+    argv += ["--training.local_batch_size", "4", "--training.steps", str(steps), "--training.seed", "0"]
+    return run_trainer([*argv, "--activation_checkpoint.mode", "none", *overrides])
 
 
 def _tail_mean(losses: list[float], n: int = 10) -> float:
@@ -338,6 +316,7 @@ def bf16_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return train(tmp_path_factory.mktemp("bf16")).losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_float8_recipe_tracks_bf16(
     recipe: str, bf16_losses: list[float], tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -370,6 +349,7 @@ ROWWISE_FP32 = ["--float8.enable_float8_linear", "--float8.recipe_name", "rowwis
 ROWWISE_FP32 += ["--training.mixed_precision_param", "float32"]
 
 
+@pytest.mark.slow
 def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: Path) -> None:
     """The seed's 1-GPU failure: rowwise with fp32 weights and no mixed precision. torchao>=0.18 asks the rowwise
     kernel for bf16 and upcasts, so this trains and tracks the bf16 run (measured: within 0.1%)."""
@@ -378,11 +358,14 @@ def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: 
     assert abs(_tail_mean(losses) - _tail_mean(bf16_losses)) / _tail_mean(bf16_losses) < 0.01
 
 
+@pytest.mark.slow
 def test_rowwise_fp32_compiled_matches_eager(tmp_path: Path) -> None:
     """Same, with --training.compile (inductor, per block): 3 steps match eager. Compiling costs ~50 s of CPU
-    on a cold cache, so the run is short; the eager test above shows the longer trajectory."""
-    compiled = train(tmp_path / "compiled", *ROWWISE_FP32, "--training.compile", steps=3).losses
-    eager = train(tmp_path / "eager", *ROWWISE_FP32, steps=3).losses
+    on a cold cache, so the model is small (2 blocks: one compiled graph serves both; seq 32, batch 2) and the
+    run short; the eager test above shows the longer trajectory."""
+    small = [*ROWWISE_FP32, "--model.n_layers", "2", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+    compiled = train(tmp_path / "compiled", *small, "--training.compile", steps=3).losses
+    eager = train(tmp_path / "eager", *small, steps=3).losses
     assert compiled[-1] < compiled[0]
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-3, atol=1e-3)
 
@@ -413,15 +396,12 @@ def test_precompute_hook_is_a_noop_without_fsdp_sharded_weights() -> None:
 def _fsdp_precompute_rank(dump: str) -> tuple[int, list[float]]:
     from torch.distributed.tensor import DTensor
 
-    cfg = parse_args(
-        tiny_run_args(
-            *("--job.dump_folder", dump, "--training.steps", "3", "--training.seed", "0"),
-            *("--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"),
-            "--float8.precompute_float8_dynamic_scale_for_fsdp",
-        )
+    argv = tiny_run_args(
+        *("--job.dump_folder", dump, "--training.steps", "3", "--training.seed", "0"),
+        *("--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"),
+        "--float8.precompute_float8_dynamic_scale_for_fsdp",
     )
-    trainer = Trainer(cfg)
-    try:
+    with open_trainer(argv) as trainer:
         trainer.train()
         fp8_max = torch.finfo(torch.float8_e4m3fn).max
         checked = 0
@@ -435,10 +415,9 @@ def _fsdp_precompute_rank(dump: str) -> tuple[int, list[float]]:
             torch.testing.assert_close(scale, (fp8_max / full_amax).float(), rtol=1e-6, atol=0)
             checked += 1
         return checked, trainer.losses
-    finally:
-        trainer.close()
 
 
+@pytest.mark.distributed
 def test_precompute_hook_sets_global_scales_under_fsdp(tmp_path: Path) -> None:
     """2 gloo ranks, FSDP2 with float8 all-gather: after each step every shard's precomputed scale is the
     scale of the whole (unsharded) weight, i.e. the hook ran and all-reduced the amaxes."""

@@ -13,11 +13,10 @@ import torch.nn as nn
 import train
 import trainer.train as trainer_module
 from float8.checks import ScaledMMCounter, verify_float8_in_use
+from tests.common import DEBUG_CONFIG, free_port
 from tests.sac_helpers import batch, debug_model, loss_fn
-from trainer.components.dist import _free_port
 from trainer.config import ConfigError, Float8
 
-ROOT = Path(__file__).resolve().parents[1]
 ON = Float8(enable_float8_linear=True)
 
 
@@ -51,7 +50,7 @@ def test_fsdp_float8_all_gather_is_one_byte_or_fails() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         cfg = Float8(enable_float8_linear=True, enable_fsdp_float8_all_gather=True)
         for all_gather in (True, False):
@@ -97,7 +96,7 @@ def test_trainer_checks_float8_at_first_step(
 ) -> None:
     monkeypatch.setattr(trainer_module, "build_float8_converter", lambda cfg: _Converter(cfg, noop))
     caplog.set_level(logging.INFO, logger="kiln")
-    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path)]
+    argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
     argv += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1"]
     argv += ["--float8.enable_float8_linear", "--float8.recipe_name", "rowwise", "--activation_checkpoint.mode", "none"]
     rc = train.main(argv)

@@ -8,10 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.config import parse_args
-from trainer.train import Trainer
+from tests.common import DEBUG_CONFIG, open_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 # Ops that copy a device value to the host (.item(), bool(tensor), .tolist()): each is a CUDA sync point.
 SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
@@ -29,26 +27,9 @@ class SyncCounter(TorchDispatchMode):
 
 @pytest.mark.parametrize("accum", ["2", "4"])
 def test_non_log_step_has_no_host_sync(tmp_path: Path, accum: str) -> None:
-    cfg = parse_args(
-        [
-            "--job.config_file",
-            str(ROOT / "train_configs" / "debug_model.toml"),
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            "--training.global_batch_size",
-            accum,
-            "--model.n_layers",
-            "2",
-            "--training.steps",
-            "3",
-        ]
-    )
-    trainer = Trainer(cfg)
-    try:
+    argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
+    argv += ["--training.local_batch_size", "2", "--training.global_batch_size", accum, "--model.n_layers", "2"]
+    with open_trainer([*argv, "--training.steps", "3"]) as trainer:
         trainer.train_step()  # the first step may initialise optimizer state
         counter = SyncCounter()
         with counter:
@@ -58,5 +39,3 @@ def test_non_log_step_has_no_host_sync(tmp_path: Path, accum: str) -> None:
         with counter:
             trainer.train_step()[0].item()
         assert counter.calls == ["aten._local_scalar_dense.default"]
-    finally:
-        trainer.close()

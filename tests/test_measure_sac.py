@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.common import HANG_TIMEOUT_S, ROOT
 
 
 def _kept(*flags: str) -> dict[str, str]:
@@ -18,7 +17,7 @@ def _kept(*flags: str) -> dict[str, str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_TIMEOUT_S,
         check=True,
     ).stdout
     rows = out.split("kept by SAC:")[1].split("saved outside")[0].splitlines()[1:]

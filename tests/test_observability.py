@@ -13,16 +13,14 @@ import torch
 import train
 from float8.sqnr import Float8SQNRMonitor
 from scripts.compare_runs import main as compare_main
+from tests.common import DEBUG_CONFIG, open_trainer
 from tests.sac_helpers import batch, debug_model, loss_fn
-from trainer.config import parse_args
 from trainer.tools.guards import NonFiniteError, last_checkpoint
 from trainer.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _argv(tmp_path: Path, *extra: str) -> list[str]:
-    base = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path)]
+    base = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
     base += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none"]
     return base + ["--training.mixed_precision_param", "float32", *extra]
 
@@ -41,9 +39,14 @@ def test_profiler_traces_every_freq_steps_and_cpu_snapshot_warns(
     assert not (tmp_path / "memory_snapshot").exists()
 
 
-def test_profile_freq_below_warmup_is_a_config_error(tmp_path: Path) -> None:
-    argv = _argv(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "2")
+def test_profile_freq_below_warmup_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = _argv(tmp_path / "run", "--profiling.enable_profiling", "--profiling.profile_freq", "2")
     assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kiln: error: profiling.profile_freq must be >= 4 with profiling on (3 warm-up steps + 1 traced), got 2\n"
+    )
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
 def _poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
@@ -63,15 +66,11 @@ def test_nan_guard_stops_at_next_log_step_naming_step_and_checkpoint(
     assert train.main(_argv(tmp_path, "--training.steps", "2", *ckpt)) == 0  # a real, complete step-2
     (tmp_path / "checkpoint" / "step-7.tmp").mkdir()  # an unfinished save never counts as good
     _poison_step(monkeypatch, bad_step=5)
-    cfg = parse_args(_argv(tmp_path, "--training.steps", "10", "--metrics.log_freq", "3", *ckpt[:2], "100"))
-    trainer = Trainer(cfg)
-    try:
+    with open_trainer(_argv(tmp_path, "--training.steps", "10", "--metrics.log_freq", "3", *ckpt[:2], "100")) as t:
         with pytest.raises(NonFiniteError, match="non-finite loss or grad norm at step 5") as e:
-            trainer.train()
+            t.train()
         assert f"Last good checkpoint: {tmp_path}/checkpoint/step-2" in str(e.value)
-        assert trainer.step == 6  # noticed at the first log step after the bad one (log_freq 3), not later
-    finally:
-        trainer.close()
+        assert t.step == 6  # noticed at the first log step after the bad one (log_freq 3), not later
 
 
 def test_nan_guard_checks_before_every_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from models import ModelArgs, Transformer
 from models.args import ffn_hidden_dim
 from parallelisms.activation_checkpoint import SAC_SAVE_LIST
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
-from tests.common import tiny_run_args
+from tests.common import run_trainer, tiny_run_args
 from tests.distributed import run_distributed
 from trainer.config import ActivationCheckpoint, ConfigError, Float8, Parallelism, Training
 
@@ -247,20 +247,12 @@ TRAINER_ARGS = tiny_run_args(
 
 
 def _trainer_runs(runs: dict[str, list[str]], folder: str) -> dict[str, list[float]]:
-    from trainer.config import parse_args
-    from trainer.train import Trainer
-
     losses = {}
     rank, world = dist.get_rank(), dist.get_world_size()
     for i, (name, overrides) in enumerate(runs.items()):
         if not dist.is_initialized():  # Trainer.close() destroyed the last one; a fresh store per run
             dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}", rank=rank, world_size=world)
-        trainer = Trainer(parse_args([*TRAINER_ARGS, "--job.dump_folder", f"{folder}/{name}", *overrides]))
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        losses[name] = trainer.losses
+        losses[name] = run_trainer([*TRAINER_ARGS, "--job.dump_folder", f"{folder}/{name}", *overrides]).losses
     return losses
 
 
@@ -353,6 +345,7 @@ def _assert_losses(got: list[float], ref: list[float], **tol: float) -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), **tol)
 
 
+@pytest.mark.distributed
 def test_fsdp_replicate_and_tp_match_single_process(two_ranks: list[dict[str, Any]], reference: Any) -> None:
     for r in two_ranks:  # every rank reports the same (dp-averaged) losses
         _assert_losses(r["fsdp"]["losses"], reference(None, 2), **FP32_TOL)
@@ -361,6 +354,7 @@ def test_fsdp_replicate_and_tp_match_single_process(two_ranks: list[dict[str, An
         _assert_losses(r["tp_gathered_logits"]["losses"], reference(None, 1), **FP32_TOL)
 
 
+@pytest.mark.distributed
 def test_fsdp_float8_all_gather_with_precompute_matches_single_process_float8(
     two_ranks: list[dict[str, Any]], reference: Any
 ) -> None:
@@ -384,6 +378,7 @@ def test_fsdp_float8_all_gather_with_precompute_matches_single_process_float8(
     assert (torch.uint8, (attn + 4 * norms) // 2) in gathers, gathers
 
 
+@pytest.mark.distributed
 def test_float8_tp_runs_on_gloo_and_matches_single_process_float8(
     two_ranks: list[dict[str, Any]], reference: Any
 ) -> None:
@@ -394,6 +389,7 @@ def test_float8_tp_runs_on_gloo_and_matches_single_process_float8(
     assert two_ranks[0]["tp"]["tp_float8_all_gathers"] == 0
 
 
+@pytest.mark.distributed
 def test_fsdp_x_tp_and_hsdp_match_single_process(four_ranks: list[dict[str, Any]], reference: Any) -> None:
     for r in four_ranks:
         _assert_losses(r["fsdp_tp"]["losses"], reference(None, 2), **FP32_TOL)
@@ -402,6 +398,7 @@ def test_fsdp_x_tp_and_hsdp_match_single_process(four_ranks: list[dict[str, Any]
     assert four_ranks[0]["fsdp_tp_float8"]["tp_float8_all_gathers"] >= 2 * ARGS.n_layers * STEPS
 
 
+@pytest.mark.distributed
 def test_per_op_sac_keeps_amax_not_abs(two_ranks: list[dict[str, Any]]) -> None:
     abs_, max_, amax, mm = "aten.abs.default", "aten.max.default", "aten.amax.default", "aten.mm.default"
     assert abs_ not in {str(op) for op in SAC_SAVE_LIST}
@@ -423,6 +420,7 @@ def test_per_op_sac_keeps_amax_not_abs(two_ranks: list[dict[str, Any]]) -> None:
         assert scales < 0.02 * total, run
 
 
+@pytest.mark.distributed
 def test_trainer_ac_modes_compile_and_tp_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
     losses = two_ranks[0]["trainer"]
     none = losses["none"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.common import DEBUG_CONFIG
 from tests.distributed import run_distributed
 from tests.sac_helpers import LAYERS, SAVE_LIST, aten, batch, debug_model, loss_fn
 from trainer.tools.saved_activations import (
@@ -18,7 +19,6 @@ from trainer.tools.saved_activations import (
     measure_saved_activations,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 WITH_ABS = SAVE_LIST | {aten.abs.default}
 
 
@@ -94,6 +94,7 @@ def _fsdp_rank() -> dict[str, tuple]:
     return totals
 
 
+@pytest.mark.distributed
 def test_fsdp_two_ranks_rowwise_per_op_sac() -> None:
     for totals in run_distributed(_fsdp_rank, 2):
         good, bad = totals["torchtitan"], totals["with_abs"]
@@ -107,7 +108,7 @@ def test_cli_report_runs_one_step_and_exits_0(tmp_path: Path, caplog: pytest.Log
     import train
 
     caplog.set_level(logging.INFO, logger="kiln")
-    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path)]
+    argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
     argv += ["--training.seq_len", "64", "--training.local_batch_size", "2", "--profiling.saved_activations_report"]
     assert train.main(argv) == 0
     text = "\n".join(r.getMessage() for r in caplog.records)

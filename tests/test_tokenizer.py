@@ -12,10 +12,9 @@ from types import ModuleType
 
 import pytest
 
+from tests.common import ROOT, TOKENIZER_PATH
 from trainer.components.tokenizer import SPECIAL_TOKENS, Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_PATH = ROOT / "assets" / "tokenizer" / "tokenizer.model"
 CORPUS_PATH = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
 
 

@@ -1,21 +1,23 @@
-"""End-to-end Trainer on the CPU: the loss falls, the log line has torchtitan's shape, accumulation is exact."""
+"""End-to-end Trainer on the CPU: the loss falls, the log line has torchtitan's shape and exact values, clipping
+and gradient accumulation change the gradients exactly as they should."""
 
 from __future__ import annotations
 
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+import trainer.components.metrics as metrics_module
+from tests.common import DEBUG_CONFIG, open_trainer, run_trainer
 from trainer.components.metrics import format_step_line, peak_flops
 from trainer.components.optim import lr_factor
-from trainer.config import parse_args
 from trainer.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 STEP_LINE = re.compile(
     r"step: +\d+  loss: +\d+\.\d{4}  memory: +\d+\.\d{2}GiB\(\d+\.\d{2}%\)  tps: [\d,]+  mfu: (n/a|\d+\.\d{2}%)"
 )
@@ -26,16 +28,49 @@ BASE = (
     "--training.seq_len 64 --training.local_batch_size 4 --training.steps 4 --training.seed 0 "
     "--training.mixed_precision_param float32 --activation_checkpoint.mode none --model.n_layers 2"
 ).split()
+# Smaller still, for the tests that compare gradients and logged values of one or two steps.
+TINY = (
+    "--training.seq_len 32 --training.local_batch_size 2 --training.seed 0 --training.mixed_precision_param float32 "
+    "--activation_checkpoint.mode none --model.n_layers 2"
+).split()
+
+
+def argv(tmp_path: Path, *overrides: str, base: list[str] = BASE) -> list[str]:
+    return ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), *base, *overrides]
 
 
 def train(tmp_path: Path, *overrides: str) -> list[float]:
-    cfg = parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), *BASE, *overrides])
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer.losses
+    return run_trainer(argv(tmp_path, *overrides)).losses
+
+
+def grads_seen_by_optimizer(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """Each step's gradients as the optimizer receives them (after accumulation and clipping), recorded by torch's
+    optimizer step pre-hook: what the update is made of, whatever the optimizer then does with it."""
+    seen: list[dict[str, torch.Tensor]] = []
+    names = {p: n for n, p in trainer.model.named_parameters()}
+
+    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        seen.append({names[p]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]})
+
+    trainer.optimizer.register_step_pre_hook(record)
+    return seen
+
+
+def logged_metrics(trainer: Trainer) -> list[dict[str, float]]:
+    """The values MetricsLogger.log returns on each log step: the numbers the step line and TensorBoard show."""
+    records: list[dict[str, float]] = []
+    log = trainer.metrics.log
+
+    def recording(*args: Any, **kwargs: Any) -> dict[str, float]:
+        records.append(log(*args, **kwargs))
+        return records[-1]
+
+    trainer.metrics.log = recording
+    return records
+
+
+def total_norm(grads: dict[str, torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
 
 
 def test_debug_model_learns_and_logs_every_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -49,11 +84,73 @@ def test_debug_model_learns_and_logs_every_step(tmp_path: Path, caplog: pytest.L
     assert "mfu: n/a" in lines[0]  # CPU without metrics.peak_tflops: no fake number
 
 
-def test_mfu_with_peak_override(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+class StepClock:
+    """Stands in for time.perf_counter in the metrics module: time moves only when a step runs."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_logged_tps_tflops_mfu_and_eta_are_exact_under_a_controlled_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step s takes s seconds by the clock; with 2 micro-batches of 2 x 32 tokens a step is 128 tokens per device.
+    Log steps 1, 2, 4, 5 (log_freq 2, last step): intervals of 1, 1, 2 and 1 steps."""
     caplog.set_level(logging.INFO, logger="kiln")
-    train(tmp_path, "--training.steps", "1", "--metrics.peak_tflops", "1.0")
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
-    assert re.search(r"mfu: \d+\.\d{2}%", line), line
+    clock = StepClock()
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=clock))
+    peak_tflops = 1e-6
+    overrides = ["--training.global_batch_size", "4", "--training.steps", "5", "--metrics.log_freq", "2"]
+    overrides += ["--metrics.peak_tflops", str(peak_tflops)]
+    with open_trainer(argv(tmp_path, *overrides, base=TINY)) as trainer:
+        logged = logged_metrics(trainer)
+        step = trainer.train_step
+
+        def timed_step() -> tuple[torch.Tensor, torch.Tensor]:
+            clock.now += trainer.step  # the step counter is already advanced: step s takes s seconds
+            return step()
+
+        trainer.train_step = timed_step
+        trainer.train()
+        flops_per_token = trainer.flops_per_token
+    tokens_per_step = 2 * 32 * 2  # local batch x seq_len x micro-batches
+    intervals = {1: [1], 2: [2], 4: [3, 4], 5: [5]}  # log step -> the steps it covers
+    assert len(logged) == len(intervals)
+    for got, steps in zip(logged, intervals.values(), strict=True):
+        tps = tokens_per_step * len(steps) / sum(steps)
+        assert got["tps"] == pytest.approx(tps, rel=1e-12), steps
+        assert got["tflops"] == pytest.approx(tps * flops_per_token / 1e12, rel=1e-12)
+        assert got["mfu"] == pytest.approx(100 * tps * flops_per_token / (peak_tflops * 1e12), rel=1e-12)
+    # ETA: remaining steps x the interval's seconds per step (step 2: 3 steps left at 2 s each).
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    assert [re.search(r"eta: (\S+)", line).group(1) for line in lines] == ["0:00:04", "0:00:06", "0:00:03", "0:00:00"]
+
+
+def _first_step_grads(tmp_path: Path, max_norm: float) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Step 1's gradients as the optimizer gets them, the grad norm the step returns and the one it logs."""
+    with open_trainer(argv(tmp_path, "--training.max_norm", str(max_norm), "--training.steps", "1", base=TINY)) as t:
+        grads, logged = grads_seen_by_optimizer(t), logged_metrics(t)
+        t.train()
+    return grads[0], logged[0]["grad_norm"], total_norm(grads[0])
+
+
+def test_grad_clipping_applies_max_norm_only_above_it_and_is_off_at_zero(tmp_path: Path) -> None:
+    raw, raw_norm, applied = _first_step_grads(tmp_path, max_norm=0)  # clipping off: the raw gradients
+    assert applied == pytest.approx(raw_norm, rel=1e-5) and raw_norm > 0.5
+    for off in (-1.0, 2 * raw_norm):  # also off: a negative max_norm; untouched: a max_norm above the norm
+        grads, logged_norm, _ = _first_step_grads(tmp_path, max_norm=off)
+        assert logged_norm == raw_norm
+        for name, g in grads.items():
+            assert torch.equal(g, raw[name]), (off, name)
+    max_norm = raw_norm / 4
+    grads, logged_norm, applied = _first_step_grads(tmp_path, max_norm=max_norm)
+    assert logged_norm == raw_norm  # the logged norm is the one before clipping
+    assert applied <= max_norm * (1 + 1e-6) and applied == pytest.approx(max_norm, rel=1e-5)
+    for name, g in grads.items():  # same direction: every gradient scaled by max_norm / raw_norm
+        torch.testing.assert_close(g, raw[name] * (max_norm / raw_norm), rtol=1e-5, atol=1e-9)
 
 
 def test_same_seed_same_losses(tmp_path: Path) -> None:
@@ -61,14 +158,41 @@ def test_same_seed_same_losses(tmp_path: Path) -> None:
 
 
 def test_gradient_accumulation_matches_big_batch(tmp_path: Path) -> None:
-    big = train(tmp_path / "big", "--training.local_batch_size", "4")
-    accum = train(tmp_path / "acc", "--training.local_batch_size", "2", "--training.global_batch_size", "4")
-    torch.testing.assert_close(torch.tensor(accum), torch.tensor(big), rtol=1e-5, atol=1e-5)
+    """2 micro-batches of 2 vs one batch of 4: the same gradients reach the optimizer (fp32 tolerance), the same
+    grad norm and loss are logged, at step 1 and at step 2 (after an update made from them)."""
+
+    def run(*batch: str) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]:
+        with open_trainer(argv(tmp_path, "--training.steps", "2", "--training.max_norm", "0", *batch, base=TINY)) as t:
+            grads, logged = grads_seen_by_optimizer(t), logged_metrics(t)
+            t.train()
+            assert t.grad_accum_steps == (2 if "--training.global_batch_size" in batch else 1)
+        return grads, logged
+
+    big_grads, big_logged = run("--training.local_batch_size", "4")
+    acc_grads, acc_logged = run("--training.local_batch_size", "2", "--training.global_batch_size", "4")
+    assert len(big_grads) == len(acc_grads) == 2
+    for big, acc in zip(big_grads, acc_grads, strict=True):
+        torch.testing.assert_close(acc, big, rtol=1e-4, atol=1e-6)  # a dict: a mismatch names the parameter
+    assert len(big_logged) == len(acc_logged) == 2
+    for big, acc in zip(big_logged, acc_logged, strict=True):
+        assert acc["grad_norm"] == pytest.approx(big["grad_norm"], rel=1e-5)
+        assert acc["loss"] == pytest.approx(big["loss"], rel=1e-6)
 
 
 def test_bf16_autocast_trains(tmp_path: Path) -> None:
-    losses = train(tmp_path, "--training.mixed_precision_param", "bfloat16", "--training.steps", "3")
-    assert all(torch.isfinite(torch.tensor(losses)))
+    """bfloat16 without FSDP: autocast computes the logits in bf16 over fp32 master weights; the losses differ
+    from the fp32 run's (bf16 really ran) by bf16 rounding only."""
+    fp32 = run_trainer(argv(tmp_path / "fp32", "--training.steps", "2", base=TINY)).losses
+    with open_trainer(
+        argv(tmp_path, "--training.mixed_precision_param", "bfloat16", "--training.steps", "2", base=TINY)
+    ) as t:
+        dtypes: list[torch.dtype] = []
+        t.model.output.register_forward_hook(lambda mod, inp, out: dtypes.append(out.dtype))
+        t.train()
+        assert {p.dtype for p in t.model.parameters()} == {torch.float32}
+    assert dtypes == [torch.bfloat16] * 2
+    assert t.losses != fp32
+    torch.testing.assert_close(torch.tensor(t.losses), torch.tensor(fp32), rtol=1e-2, atol=0)
 
 
 def test_tensorboard_writes_events(tmp_path: Path) -> None:

@@ -185,12 +185,14 @@ class Trainer:
         """Accumulate gradients over micro-batches, clip, step the optimizer and LR; return (loss, grad norm)."""
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
+        tokens, data_time = 0, 0.0
         for _ in range(self.grad_accum_steps):
             t0 = time.perf_counter()
             inputs, labels = next(self.dataloader)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            self.metrics.count_step(inputs.numel(), time.perf_counter() - t0)
+            tokens, data_time = tokens + inputs.numel(), data_time + time.perf_counter() - t0
             loss_sum += self.forward_backward(inputs, labels)
+        self.metrics.count_step(tokens, data_time)  # once per step, not per micro-batch: the ETA counts steps
         max_norm = self.cfg.training.max_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True

@@ -174,6 +174,7 @@ class MetricsLogger:
         return metrics
 
     def count_step(self, tokens: int, data_time: float) -> None:
+        """One optimizer step: its tokens on this device (all micro-batches) and seconds spent waiting for data."""
         self.tokens += tokens
         self.data_time += data_time
         self._steps_since_log += 1
