@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import time
@@ -24,15 +25,17 @@ from float8.converter import build_float8_converter
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from parallelisms.parallelize import loss_parallel_enabled, parallelize_llama
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import CheckpointManager, step_dir
 from trainer.config import ConfigError, JobConfig
-from trainer.data import build_dataloader
+from trainer.data import build_dataloader, dataset_fingerprint
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
 from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
 from trainer.guards import NonFiniteGuard
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.preemption import StopOnSignal, TrainingStopped
 from trainer.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from trainer.resume import apply_config_hyperparameters, check_resume, file_sha256, training_settings
 from trainer.saved_activations import SavedActivationReport, measure_saved_activations
 from trainer.sqnr import Float8SQNRMonitor
 from trainer.tokenizer import Tokenizer
@@ -94,6 +97,10 @@ class Trainer:
         self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
+        global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
+        self.settings = training_settings(
+            cfg, model_args, global_batch, dataset_fingerprint(t), file_sha256(cfg.model.tokenizer_path)
+        )
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
@@ -105,7 +112,11 @@ class Trainer:
                 "train_state": self,
             },
         )
-        self.step = self.checkpointer.load()
+        self.step = self.checkpointer.load()  # a full checkpoint also checks self.settings (load_state_dict)
+        if self.step > 0:
+            old_lr, new_lr = apply_config_hyperparameters(self.optimizer, self.lr_scheduler)
+            if old_lr != new_lr:
+                logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
         self.nan_guard = NonFiniteGuard(self.device)
 
         self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
@@ -140,11 +151,15 @@ class Trainer:
             )
         return global_bs // per_step
 
-    # train_state for checkpoints: the step counter is the only trainer state besides the components.
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
+    # train_state for checkpoints: the step counter, and the settings a resume is checked against (JSON text).
+    def state_dict(self) -> dict[str, int | str]:
+        return {"step": self.step, "settings": json.dumps(self.settings, sort_keys=True)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Restore the step; refuse (CheckpointError) or warn about changed settings (trainer/resume.py)."""
+        where = f"checkpoint {step_dir(self.checkpointer.folder, int(state['step']))}"
+        for line in check_resume(json.loads(state["settings"]), self.settings, where):
+            logger.warning(line)
         self.step = int(state["step"])
 
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -234,9 +249,10 @@ class Trainer:
             with (
                 maybe_enable_profiling(prof_cfg, dump, rank, self.step) as profiler,
                 maybe_enable_memory_snapshot(prof_cfg, dump, rank, self.device, self.step) as snapshot,
+                StopOnSignal() as stop,  # SIGTERM: finish the step, save, stop (trainer/preemption.py)
             ):
                 while self.step < t.steps:
-                    self._train_one(sqnr, sqnr_freq)
+                    self._train_one(sqnr, sqnr_freq, stop)
                     if profiler is not None:
                         profiler.step()
                     if snapshot is not None:
@@ -247,8 +263,8 @@ class Trainer:
                 sqnr.remove()
         logger.info("Training completed")
 
-    def _train_one(self, sqnr: Float8SQNRMonitor | None, sqnr_freq: int) -> None:
-        """One step of the loop: train_step, first-step float8 checks, SQNR, metrics, checkpoint."""
+    def _train_one(self, sqnr: Float8SQNRMonitor | None, sqnr_freq: int, stop: StopOnSignal | None = None) -> None:
+        """One step of the loop: train_step, first-step float8 checks, SQNR, metrics, checkpoint, stop request."""
         t = self.cfg.training
         self.step += 1
         if self.step % t.gc_freq == 0:
@@ -266,9 +282,10 @@ class Trainer:
             self._float8_verified = True
         else:
             loss, grad_norm = self.train_step()
+        stopping = stop is not None and stop.agreed()  # all ranks stop at the same step (one CPU all-reduce)
         last = self.step == t.steps
-        log_step = self.metrics.should_log(self.step) or last
-        if log_step or self.checkpointer.due(self.step, last):
+        log_step = self.metrics.should_log(self.step) or last or stopping
+        if log_step or self.checkpointer.due(self.step, last) or stopping:
             self.nan_guard.check(self.checkpointer.folder)
         if log_step:
             # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
@@ -281,6 +298,13 @@ class Trainer:
         self.checkpointer.maybe_save(self.step, last=last)
         if self.step == 1:
             set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+        if stopping and not last:
+            saved = self.checkpointer.save_full(self.step)
+            what = f"saved {saved}" if saved else "nothing saved (checkpoint.enable_checkpoint is off)"
+            raise TrainingStopped(
+                f"stopped by SIGTERM after step {self.step} of {t.steps}; {what}"
+                + ("; run the same command again to resume" if saved else "")
+            )
 
     def close(self) -> None:
         self.dataloader.close()
