@@ -69,7 +69,7 @@ BAD_INPUTS = [
     (["--job.config_file", "missing.toml"], "config file not found: missing.toml"),
     (["--model.tokenizer_path", "/nonexistent/tokenizer.model"], "model.tokenizer_path: file not found"),
     (["--training.dataset_path", "/nonexistent/data.jsonl"], "training.dataset_path: not found: /nonexistent"),
-    (["--training.local_batch_size", "0"], "training.local_batch_size must be > 0"),
+    (["--training.local_batch_size", "0"], "training.local_batch_size must be >= 1, got 0"),
     (["--activation_checkpoint.selective_ac_option", "x"], "selective_ac_option must be 'op' or a positive"),
     (["--training.seq_len"], "--training.seq_len: needs a value"),
     (["training.steps"], "unexpected argument 'training.steps'"),
@@ -99,7 +99,9 @@ def test_malformed_toml_names_file_and_line(tmp_path: Path) -> None:
 def test_toml_wrong_type_and_unknown_key_name_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "c.toml"
     bad.write_text('[training]\nsteps = "ten"\n')
-    with pytest.raises(ConfigError, match=r"c.toml: training.steps: expected an integer, got 'ten'"):
+    with pytest.raises(
+        ConfigError, match=r"c.toml: training.steps: expected a TOML integer \(unquoted\), got the string .ten."
+    ):
         parse_args(["--job.config_file", str(bad)])
     bad.write_text("[float8]\nrecipe = 'rowwise'\n")
     with pytest.raises(ConfigError, match=r"unknown key 'float8.recipe'; did you mean 'float8.recipe_name'"):

@@ -1,4 +1,5 @@
-"""Data: packing into seq_len+1 windows with bos/eos, DP sharding, local formats, stateful resume, re-looping."""
+"""Data: packing into seq_len+1 windows with bos/eos, global sample order over DP ranks, local formats, stateful
+resume, re-looping."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.common import HANG_TIMEOUT_S, TOKENIZER_PATH
 from trainer.components.data import DataLoader, build_dataloader
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
+from trainer.errors import DataError
 
 TOKENIZER = Tokenizer(str(TOKENIZER_PATH))
 
@@ -65,12 +67,14 @@ def test_folder_of_files_and_mixed_formats_rejected(tmp_path: Path) -> None:
         loader(tmp_path)
 
 
-def test_dp_ranks_get_disjoint_data(tmp_path: Path) -> None:
+def test_dp_ranks_take_slices_of_the_global_batch(tmp_path: Path) -> None:
+    """Rank r of D with local batch B gets rows r*B..(r+1)*B of the one-rank batch of D*B: the same sequences."""
     path = write_jsonl(tmp_path / "d.jsonl", [f"document {i} " + "word " * 30 for i in range(40)])
-    a = next(loader(path, rank=0, world=2))[0]
-    b = next(loader(path, rank=1, world=2))[0]
-    assert not torch.equal(a, b)
-    assert "document 0 " in TOKENIZER.decode(a[0].tolist()) and "document 1 " in TOKENIZER.decode(b[0].tolist())
+    one = loader(path, batch=4)
+    ranks = [loader(path, batch=2, rank=r, world=2) for r in range(2)]
+    for _ in range(3):
+        assert torch.equal(next(one)[0], torch.cat([next(r)[0] for r in ranks]))
+    assert one.state_dict() == ranks[0].state_dict() == ranks[1].state_dict()
 
 
 def test_state_dict_resumes_exactly() -> None:
@@ -98,36 +102,39 @@ def test_unknown_dataset_name() -> None:
         build_dataloader(Training(dataset="c5"), TOKENIZER, 0, 1)
 
 
-def test_state_is_keyed_by_dp_rank(tmp_path: Path) -> None:
+def test_state_is_global_and_resumes_under_another_layout(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [f"document {i} " + "word " * 30 for i in range(40)])
     rank1 = loader(path, rank=1, world=2)
     next(rank1)
     state = rank1.state_dict()
-    assert list(state) == ["dp_rank_1"] and isinstance(state["dp_rank_1"], bytes)  # one opaque DCP item per rank
-    with pytest.raises(ConfigError, match="no data-loader state for dp_rank_0"):
-        loader(path, rank=0, world=2).load_state_dict(state)
+    assert state["sequences"] == 4 and set(state) == {"sequences", "epoch", "shard", "record", "buffer"}
+    expected = next(loader(path, batch=4))  # skip the first global batch of 4 ...
+    one = loader(path, batch=4)
+    next(one)
+    expected = next(one)[0]  # ... and take the second
+    resumed = loader(path, batch=4)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(resumed)[0], expected)
 
 
 def test_unreadable_dataset_files_are_named(tmp_path: Path) -> None:
     bad_json = tmp_path / "a" / "bad.jsonl"
     bad_json.parent.mkdir()
     bad_json.write_text('{"text": "fine"\n')
-    with pytest.raises(ConfigError, match=f"training.dataset_path: cannot read {bad_json}: "):
+    with pytest.raises(DataError, match=f"data file {bad_json}, record 1 \\(line 1\\): not valid JSON"):
         loader(bad_json.parent)
     no_text = tmp_path / "no_text.jsonl"
     no_text.write_text('{"body": "x"}\n')
-    with pytest.raises(
-        ConfigError, match=f"cannot read {no_text}: its first record has no 'text' field \\(has: body\\)"
-    ):
+    with pytest.raises(DataError, match=f"{no_text}, record 1 \\(line 1\\): no 'text' field \\(has: body\\)"):
         loader(no_text)
     bad_parquet = tmp_path / "bad.parquet"
     bad_parquet.write_bytes(b"not a parquet file")
-    with pytest.raises(ConfigError, match=f"cannot read {bad_parquet}: "):
+    with pytest.raises(DataError, match=f"data file {bad_parquet}: cannot read: "):
         loader(bad_parquet)
-    # A malformed record further in is found while streaming: still a ConfigError naming the path.
+    # A malformed record further in is found while streaming: a DataError naming the file and line.
     late = tmp_path / "late.jsonl"
     late.write_text('{"text": "good"}\n' * 3 + "{broken\n")
-    with pytest.raises(ConfigError, match=f"training.dataset_path {late}: cannot read: "):
+    with pytest.raises(DataError, match=f"data file {late}, record 4 \\(line 4\\): not valid JSON"):
         next(loader(late))
 
 
@@ -139,9 +146,9 @@ def test_bad_dataset_path_exits_2_with_one_line(tmp_path: Path, capsys: pytest.C
     argv = ["--job.dump_folder", str(tmp_path), "--training.dataset_path", str(bad), "--training.seq_len", "32"]
     assert train.main(argv) == 2  # the Trainer failed in __init__: conftest ends its process group
     err = capsys.readouterr().err.strip()
-    assert (
-        err
-        == f"kiln: error: training.dataset_path: cannot read {bad}: its first record has no 'text' field (has: list)"
+    assert err == (
+        f"kiln: error: data file {bad}, record 1 (line 1): not a JSON object but an array; "
+        "every record needs a string 'text' field"
     )
 
 

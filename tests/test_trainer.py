@@ -59,13 +59,13 @@ def grads_seen_by_optimizer(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
 def logged_metrics(trainer: Trainer) -> list[dict[str, float]]:
     """The values MetricsLogger.log returns on each log step: the numbers the step line and TensorBoard show."""
     records: list[dict[str, float]] = []
-    log = trainer.metrics.log
+    log = trainer.components.metrics.log
 
     def recording(*args: Any, **kwargs: Any) -> dict[str, float]:
         records.append(log(*args, **kwargs))
         return records[-1]
 
-    trainer.metrics.log = recording
+    trainer.components.metrics.log = recording
     return records
 
 

@@ -10,6 +10,7 @@ This module imports only the standard library so config handling stays instant.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import sys
 
@@ -27,10 +28,67 @@ from trainer.errors import ConfigError
 
 __all__ = ["ConfigError", "JobConfig", "parse_args", "to_toml", "format_help"]
 
+INT64_MAX = 2**63 - 1
 
-def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field carrying its help text (and allowed values) for --help and validation."""
-    meta = {"help": help, "choices": choices}
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: lo <= v <= hi (strict where `lo_open`/`hi_open`), or one of `also`
+    (a sentinel such as -1 = automatic). Floats must be finite as well; ints must fit in int64 unless `hi` says
+    otherwise (they end up in tensors and C++ APIs)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    also: tuple[int, ...] = ()
+    note: str = ""  # what the sentinel or bound means, appended to the description
+
+    def contains(self, v: float) -> bool:
+        if v in self.also and not isinstance(v, float):
+            return True
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        hi = self.hi if self.hi is not None else (INT64_MAX if isinstance(v, int) else None)
+        return hi is None or (v < hi if self.hi_open else v <= hi)
+
+    def describe(self, value: float | None = None) -> str:
+        """'in [0, 1)', '>= 1', '-1 or >= 1 (note)'; an int past int64 is told about the implicit bound."""
+        hi_bound = self.hi
+        if hi_bound is None and isinstance(value, int) and value > INT64_MAX:
+            hi_bound = INT64_MAX
+        lo, hi = _num(self.lo), _num(hi_bound)
+        if self.lo is not None and hi_bound is not None:
+            text = f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {lo}"
+        elif hi_bound is not None:
+            text = f"{'<' if self.hi_open else '<='} {hi}"
+        else:
+            text = "a finite number"
+        if isinstance(value, float) and (self.lo is None) != (hi_bound is None):  # one-sided: say inf is out
+            text = f"a finite number {text}"
+        if self.also:
+            text = " or ".join(str(a) for a in self.also) + " or " + text
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else str(x) if isinstance(x, int) else f"{x:g}"
+
+
+AT_LEAST_1 = Range(lo=1)  # counts, sizes, frequencies
+AT_LEAST_0 = Range(lo=0)
+POSITIVE = Range(lo=0, lo_open=True)  # floats: > 0 and finite
+FRACTION = Range(lo=0, hi=1)
+TIMEOUT = Range(lo=1, hi=10**9, note="seconds")  # 10**9 s (31 years): far inside timedelta's and c10d's limits
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, valid: Range | None = None) -> Any:
+    """A dataclass field carrying its help text, allowed values (`choices`) or numeric range (`valid`)."""
+    meta = {"help": help, "choices": choices, "valid": valid}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -53,20 +111,22 @@ class Model:
     name: str = _f("llama3", "Model family.", ("llama3",))
     flavor: str = _f("debugmodel", "Model size.", ("debugmodel", "8B", "70B", "405B"))
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
-    n_layers: int | None = _f(None, "Override the flavor's layer count (benchmarks: 8B widths, fewer layers).")
+    n_layers: int | None = _f(
+        None, "Override the flavor's layer count (benchmarks: 8B widths, fewer layers).", valid=AT_LEAST_1
+    )
     vocab_size: int | None = _f(
-        None, "Pad the vocabulary to this size (>= the tokenizer's); unset = the tokenizer's size."
+        None, "Pad the vocabulary to this size (>= the tokenizer's); unset = the tokenizer's size.", valid=AT_LEAST_1
     )
 
 
 @dataclass
 class Optimizer:
     name: str = _f("AdamW", "Optimizer.", ("AdamW", "Adam"))
-    lr: float = _f(8e-4, "Peak learning rate.")
-    beta1: float = _f(0.9, "Adam beta1.")
-    beta2: float = _f(0.95, "Adam beta2.")
-    eps: float = _f(1e-8, "Adam epsilon.")
-    weight_decay: float = _f(0.1, "Decoupled weight decay.")
+    lr: float = _f(8e-4, "Peak learning rate.", valid=POSITIVE)
+    beta1: float = _f(0.9, "Adam beta1.", valid=Range(lo=0, hi=1, hi_open=True))
+    beta2: float = _f(0.95, "Adam beta2.", valid=Range(lo=0, hi=1, hi_open=True))
+    eps: float = _f(1e-8, "Adam epsilon.", valid=POSITIVE)
+    weight_decay: float = _f(0.1, "Decoupled weight decay.", valid=AT_LEAST_0)
     implementation: str = _f(
         "fused",
         "Kernel: fused (one kernel, CUDA/CPU), foreach (batched), for-loop.",
@@ -76,28 +136,37 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.")
+    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.", valid=AT_LEAST_0)
     decay_ratio: float | None = _f(
-        None, "Fraction of steps spent decaying at the end (WSD); unset decays over all post-warmup steps."
+        None,
+        "Fraction of steps spent decaying at the end (WSD); unset decays over all post-warmup steps.",
+        valid=FRACTION,
     )
     decay_type: str = _f("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
-    min_lr_factor: float = _f(0.0, "Final learning rate as a fraction of optimizer.lr.")
+    min_lr_factor: float = _f(0.0, "Final learning rate as a fraction of optimizer.lr.", valid=FRACTION)
 
 
 @dataclass
 class Training:
     dataset: str = _f("kiln_corpus", "Registered dataset name (kiln_corpus, c4).")
     dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides the registry path.")
-    local_batch_size: int = _f(8, "Sequences per device per micro-batch.")
+    local_batch_size: int = _f(8, "Sequences per device per micro-batch.", valid=AT_LEAST_1)
     global_batch_size: int = _f(
         -1,
         "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
         "A multiple of that product gives gradient accumulation.",
+        valid=Range(lo=1, also=(-1,), note="-1 = local_batch_size x data-parallel degree"),
     )
-    seq_len: int = _f(2048, "Tokens per sequence.")
-    data_prefetch: int = _f(2, "Batches a background thread prepares ahead of the step (0 = load in the step).")
-    steps: int = _f(10000, "Optimizer steps to train.")
-    max_norm: float = _f(1.0, "Gradient-norm clipping threshold (<= 0 disables clipping).")
+    seq_len: int = _f(2048, "Tokens per sequence.", valid=AT_LEAST_1)
+    data_prefetch: int = _f(
+        2, "Batches a background thread prepares ahead of the step (0 = load in the step).", valid=AT_LEAST_0
+    )
+    steps: int = _f(10000, "Optimizer steps to train.", valid=AT_LEAST_1)
+    max_norm: float = _f(
+        1.0,
+        "Gradient-norm clipping threshold (<= 0 disables clipping).",
+        valid=Range(note="<= 0 disables clipping"),
+    )
     mixed_precision_param: str = _f(
         "bfloat16",
         "Compute dtype of parameters in forward/backward (FSDP param_dtype, autocast otherwise); "
@@ -106,21 +175,27 @@ class Training:
     )
     mixed_precision_reduce: str = _f("float32", "Gradient reduction dtype under FSDP.", DTYPES)
     compile: bool = _f(False, "torch.compile each transformer block.")
-    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (automatic GC is disabled).")
-    seed: int | None = _f(None, "Random seed; same seed, same data order and init.")
+    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (automatic GC is disabled).", valid=AT_LEAST_1)
+    seed: int | None = _f(
+        None, "Random seed; same seed, same init.", valid=Range(lo=0, hi=2**64 - 1, note="torch.manual_seed's range")
+    )
     deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = _f(1, "DDP/HSDP replicas (across nodes).")
-    data_parallel_shard_degree: int = _f(-1, "FSDP shards; -1 = what remains of the world size.")
+    data_parallel_replicate_degree: int = _f(1, "DDP/HSDP replicas (across nodes).", valid=AT_LEAST_1)
+    data_parallel_shard_degree: int = _f(
+        -1,
+        "FSDP shards; -1 = what remains of the world size.",
+        valid=Range(lo=1, also=(-1,), note="-1 = the rest of the world size"),
+    )
     fsdp_reshard_after_forward: str = _f(
         "default",
         "Free unsharded params after forward: default (yes, except the root), always, never.",
         ("default", "always", "never"),
     )
-    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree (within a node).")
+    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree (within a node).", valid=AT_LEAST_1)
     disable_loss_parallel: bool = _f(False, "Gather logits before the loss instead of a vocab-parallel loss.")
     enable_async_tensor_parallel: bool = _f(False, "Async TP (CUDA + compile only).")
 
@@ -129,10 +204,16 @@ class Parallelism:
 class Checkpoint:
     enable_checkpoint: bool = _f(False, "Save and resume DCP checkpoints.")
     folder: str = _f("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
-    interval: int = _f(500, "Save every N steps (and at the last step).")
-    keep_latest_k: int = _f(0, "Keep only the newest K checkpoints (0 = keep all; never deletes the only good one).")
+    interval: int = _f(500, "Save every N steps (and at the last step).", valid=AT_LEAST_1)
+    keep_latest_k: int = _f(
+        0,
+        "Keep only the newest K checkpoints (0 = keep all; never deletes the only good one).",
+        valid=Range(lo=0, note="0 = keep all"),
+    )
     async_mode: str = _f("disabled", "Save in the background.", ("disabled", "async", "async_with_pinned_mem"))
-    load_step: int = _f(-1, "Load this step instead of the latest (-1 = latest).")
+    load_step: int = _f(
+        -1, "Load this step instead of the latest (-1 = latest).", valid=Range(lo=0, also=(-1,), note="-1 = latest")
+    )
     model_weights_only: bool = _f(False, "Save only model weights (no optimizer/data state).")
     export_dtype: str = _f("float32", "dtype of weights-only saves.", ("float32", "bfloat16", "float16"))
     last_save_model_weights_only: bool = _f(False, "Make the final save weights-only, in export_dtype.")
@@ -162,7 +243,9 @@ class Float8:
         False, "Also keep Linears whose GEMM is too small to gain in high precision (torchao's H100 thresholds)."
     )
     sqnr_log_freq: int = _f(
-        0, "Every N steps log each Float8Linear's output SQNR (dB) against a high-precision matmul; 0 = off."
+        0,
+        "Every N steps log each Float8Linear's output SQNR (dB) against a high-precision matmul; 0 = off.",
+        valid=Range(lo=0, note="0 = off"),
     )
 
     @property
@@ -173,19 +256,21 @@ class Float8:
 
 @dataclass
 class Metrics:
-    log_freq: int = _f(10, "Log metrics every N steps.")
+    log_freq: int = _f(10, "Log metrics every N steps.", valid=AT_LEAST_1)
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
     save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
     disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
-    peak_tflops: float | None = _f(None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.")
+    peak_tflops: float | None = _f(
+        None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE
+    )
 
 
 @dataclass
 class Profiling:
     enable_profiling: bool = _f(False, "Capture torch profiler traces.")
     save_traces_folder: str = _f("profile_traces", "Trace folder, relative to job.dump_folder.")
-    profile_freq: int = _f(10, "Capture a trace every N steps.")
+    profile_freq: int = _f(10, "Capture a trace every N steps.", valid=AT_LEAST_1)
     enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
     save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
     saved_activations_report: bool = _f(
@@ -195,8 +280,8 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _f(300, "Timeout for process-group initialisation and the first step.")
-    train_timeout_seconds: int = _f(100, "Collective timeout after the first step.")
+    init_timeout_seconds: int = _f(300, "Timeout for process-group initialisation and the first step.", valid=TIMEOUT)
+    train_timeout_seconds: int = _f(100, "Collective timeout after the first step.", valid=TIMEOUT)
 
 
 @dataclass
@@ -227,21 +312,29 @@ def _section_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """Convert a TOML or CLI value to type `tp`, strictly: "ten" is not an int, 1.5 is not an int."""
+def _convert(value: Any, tp: Any, where: str, toml: bool = False) -> Any:
+    """Convert a TOML or CLI value to type `tp`, strictly: "ten" is not an int, 1.5 is not an int.
+
+    From TOML (`toml`), booleans and numbers must be TOML's own: `compile = "yes"` or `steps = "10"` is a
+    mistake (a quoted value is a string), while the command line, where everything is a string, may say
+    `--training.compile true` or `--training.steps 10`.
+    """
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, where)
+        return _convert(value, inner, where, toml)
     if origin is list:
         (inner,) = args
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_convert(v, inner, where) for v in value]
+        return [_convert(v, inner, where, toml) for v in value]
+    if toml and isinstance(value, str) and tp in (bool, int, float):
+        kind = {bool: "boolean (true or false, unquoted)", int: "integer (unquoted)", float: "number (unquoted)"}
+        raise ConfigError(f"{where}: expected a TOML {kind[tp]}, got the string {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -291,9 +384,9 @@ def _lookup(cfg: JobConfig, section: str, key: str, where: str) -> tuple[Any, An
     return obj, hints[key]
 
 
-def _set(cfg: JobConfig, section: str, key: str, raw: Any, where: str) -> None:
+def _set(cfg: JobConfig, section: str, key: str, raw: Any, where: str, toml: bool = False) -> None:
     obj, tp = _lookup(cfg, section, key, where)
-    value = _convert(raw, tp, where)
+    value = _convert(raw, tp, where, toml)
     choices = next(f.metadata.get("choices") for f in fields(obj) if f.name == key)
     if choices and value is not None and value not in choices:
         raise ConfigError(f"{where}: '{value}' is not a valid choice; choose from {', '.join(choices)}")
@@ -304,11 +397,26 @@ def _set(cfg: JobConfig, section: str, key: str, raw: Any, where: str) -> None:
 
 
 def _load_toml(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ConfigError(f"--job.config_file {path} is a directory; give a TOML file")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if raw.startswith(b"\xef\xbb\xbf"):  # TOML forbids a BOM; tomllib's own message would be "Invalid statement"
+        raise ConfigError(f"{path}: starts with a UTF-8 byte-order mark (BOM); save the file as UTF-8 without BOM")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}); TOML files must be UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # message already carries "(at line N, column M)"
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
 
@@ -369,7 +477,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             if not isinstance(values, dict):
                 raise ConfigError(f"{config_file}: '{section}' must be a [section] table")
             for key, raw in values.items():
-                _set(cfg, section, key, raw, f"{config_file}: {section}.{key}")
+                _set(cfg, section, key, raw, f"{config_file}: {section}.{key}", toml=True)
     _apply_cli(cfg, items)
     validate(cfg)
     return cfg
@@ -383,48 +491,30 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_ranges(cfg: JobConfig) -> None:
+    """Every numeric key against its declared Range: one line naming the key, the valid range and the value."""
+    for section in fields(JobConfig):
+        obj = getattr(cfg, section.name)
+        for f in fields(obj):
+            valid, value = f.metadata.get("valid"), getattr(obj, f.name)
+            if valid is not None and value is not None and not valid.contains(value):
+                raise ConfigError(f"{section.name}.{f.name} must be {valid.describe(value)}, got {value!r}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need only the config itself (files, ranges, combinations); no torch here."""
     t = cfg.training
-    _check(t.local_batch_size > 0, f"training.local_batch_size must be > 0, got {t.local_batch_size}")
-    _check(t.seq_len > 0, f"training.seq_len must be > 0, got {t.seq_len}")
-    _check(t.steps > 0, f"training.steps must be > 0, got {t.steps}")
-    _check(t.data_prefetch >= 0, f"training.data_prefetch must be >= 0, got {t.data_prefetch}")
-    _check(t.gc_freq > 0, f"training.gc_freq must be > 0, got {t.gc_freq}")
-    _check(cfg.metrics.log_freq > 0, f"metrics.log_freq must be > 0, got {cfg.metrics.log_freq}")
+    check_ranges(cfg)
     freq = cfg.profiling.profile_freq
-    _check(freq > 0, f"profiling.profile_freq must be > 0, got {freq}")
     _check(
         not cfg.profiling.enable_profiling or freq >= 4,
         f"profiling.profile_freq must be >= 4 with profiling on (3 warm-up steps + 1 traced), got {freq}",
     )
-    _check(cfg.float8.sqnr_log_freq >= 0, f"float8.sqnr_log_freq must be >= 0, got {cfg.float8.sqnr_log_freq}")
-    _check(cfg.optimizer.lr > 0, f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
-    _check(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
-    dr = cfg.lr_scheduler.decay_ratio
-    _check(dr is None or 0.0 <= dr <= 1.0, f"lr_scheduler.decay_ratio must be in [0, 1], got {dr}")
-    _check(0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor must be in [0, 1]")
     opt = cfg.activation_checkpoint.selective_ac_option
     _check(
         opt == "op" or (opt.isdigit() and int(opt) > 0),
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
-    p = cfg.parallelism
-    _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree must be >= 1")
-    _check(
-        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-        "parallelism.data_parallel_shard_degree must be -1 or >= 1",
-    )
-    _check(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree must be >= 1")
-    c = cfg.checkpoint
-    _check(c.interval > 0, f"checkpoint.interval must be > 0, got {c.interval}")
-    _check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 = keep all), got {c.keep_latest_k}")
-    _check(c.load_step >= -1, f"checkpoint.load_step must be -1 (latest) or a step, got {c.load_step}")
-    m = cfg.model
-    _check(m.n_layers is None or m.n_layers > 0, f"model.n_layers must be > 0, got {m.n_layers}")
-    _check(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be > 0, got {m.vocab_size}")
-    if cfg.metrics.peak_tflops is not None:
-        _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops must be > 0")
     _validate_float8(cfg.float8)
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(

@@ -23,6 +23,7 @@ from float8.sqnr import Float8SQNRMonitor
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.dist import set_collective_timeout
 from trainer.components.metrics import MetricsLogger
+from trainer.components.preemption import StopOnSignal, TrainingStopped
 from trainer.config import Float8, Profiling
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -123,12 +124,18 @@ class NonFiniteHook(StepHook):
 class MetricsHook(StepHook):
     """The step line (and TensorBoard) on log steps; the only place the loop syncs with the host."""
 
-    def __init__(self, metrics: MetricsLogger, total_steps: int, global_mean: Callable[[torch.Tensor], float]) -> None:
-        self.metrics, self.total_steps, self.global_mean = metrics, total_steps, global_mean
+    def __init__(
+        self,
+        metrics: MetricsLogger,
+        total_steps: int,
+        global_mean: Callable[[torch.Tensor], float],
+        force: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.metrics, self.total_steps, self.global_mean, self.force = metrics, total_steps, global_mean, force
         self.losses: list[float] = []  # losses of logged steps, for tests and callers
 
     def post_step(self, out: StepOutput) -> None:
-        if not (self.metrics.should_log(out.step) or out.last):
+        if not (self.metrics.should_log(out.step) or out.last or self.force()):
             return
         # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
         norm = out.grad_norm.full_tensor() if hasattr(out.grad_norm, "full_tensor") else out.grad_norm
@@ -154,6 +161,39 @@ class CollectiveTimeoutHook(StepHook):
     def post_step(self, out: StepOutput) -> None:
         if out.step == self.after_step:
             set_collective_timeout(self.seconds)
+
+
+class StopRequestHook(StepHook):
+    """SIGTERM (preemption) is caught while training; after every step all ranks agree whether to stop, so they
+    stop at the same step (trainer/components/preemption.py: one CPU all-reduce per step). Runs first."""
+
+    def __init__(self) -> None:
+        self.signal = StopOnSignal().__enter__()
+        self.stopping = False
+
+    def post_step(self, out: StepOutput) -> None:
+        self.stopping = self.signal.agreed()
+
+    def close(self) -> None:
+        self.signal.__exit__(None, None, None)
+
+
+class StopHook(StepHook):
+    """Runs last: on an agreed stop, save a full checkpoint of this step (if checkpoints are on) and end the run
+    with TrainingStopped (exit 143), so a restart resumes at the next step."""
+
+    def __init__(self, request: StopRequestHook, checkpointer: CheckpointManager, total_steps: int) -> None:
+        self.request, self.checkpointer, self.total_steps = request, checkpointer, total_steps
+
+    def post_step(self, out: StepOutput) -> None:
+        if not self.request.stopping or out.last:
+            return
+        saved = self.checkpointer.save_full(out.step)
+        what = f"saved {saved}" if saved else "nothing saved (checkpoint.enable_checkpoint is off)"
+        raise TrainingStopped(
+            f"stopped by SIGTERM after step {out.step} of {self.total_steps}; {what}"
+            + ("; run the same command again to resume" if saved else "")
+        )
 
 
 class Float8CheckHook(StepHook):

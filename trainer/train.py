@@ -7,6 +7,7 @@ materialise on the device + init_weights -> optimizer/LR -> checkpoint load -> t
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -22,12 +23,13 @@ from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer.build import build_model
-from trainer.components.checkpoint import CheckpointManager
+from trainer.components.checkpoint import CheckpointManager, step_dir
 from trainer.components.checkpoint_folder import FolderClaim
-from trainer.components.data import build_dataloader
+from trainer.components.data import build_dataloader, dataset_fingerprint
 from trainer.components.dist import init_distributed, set_determinism
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
+from trainer.components.resume import apply_config_hyperparameters, check_resume, file_sha256, training_settings
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
@@ -42,6 +44,8 @@ from trainer.hooks import (
     SQNRHook,
     StepHook,
     StepOutput,
+    StopHook,
+    StopRequestHook,
 )
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
@@ -110,6 +114,10 @@ class Trainer:
         self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
+        global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
+        self.settings = training_settings(
+            cfg, built.args, global_batch, dataset_fingerprint(t), file_sha256(cfg.model.tokenizer_path)
+        )
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             checkpoint_folder,
@@ -122,7 +130,11 @@ class Trainer:
             },
             claim=self.checkpoint_claim,
         )
-        self.step = self.checkpointer.load(last_step=t.steps)
+        self.step = self.checkpointer.load(last_step=t.steps)  # a full checkpoint also checks self.settings
+        if self.step > 0:
+            old_lr, new_lr = apply_config_hyperparameters(self.optimizer, self.lr_scheduler)
+            if old_lr != new_lr:
+                logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
         self.nan_guard = NonFiniteGuard(self.device)
 
         self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
@@ -143,11 +155,15 @@ class Trainer:
             )
         return global_bs // per_step
 
-    # train_state for checkpoints: the step counter is the only trainer state besides the components.
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
+    # train_state for checkpoints: the step counter, and the settings a resume is checked against (JSON text).
+    def state_dict(self) -> dict[str, int | str]:
+        return {"step": self.step, "settings": json.dumps(self.settings, sort_keys=True)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Restore the step; refuse (CheckpointError) or warn about changed settings (trainer/components/resume.py)."""
+        where = f"checkpoint {step_dir(self.checkpointer.folder, int(state['step']))}"
+        for line in check_resume(json.loads(state["settings"]), self.settings, where):
+            logger.warning(line)
         self.step = int(state["step"])
 
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -214,8 +230,6 @@ class Trainer:
     def build_hooks(self) -> list[StepHook]:
         """The loop's non-training concerns, in the order they run (see trainer/hooks.py)."""
         cfg, rank = self.cfg, dist.get_rank()
-        metrics = MetricsHook(self.metrics, cfg.training.steps, self._global_mean_loss)
-        metrics.losses = self.losses
         hooks: list[StepHook] = [
             GCHook(cfg.training.gc_freq),
             ProfilingHook(cfg.profiling, cfg.job.dump_folder, rank, self.device, self.step),
@@ -224,12 +238,20 @@ class Trainer:
             hooks.append(Float8CheckHook(self.model, cfg.float8, self.parallel_dims.fsdp_enabled))
             if cfg.float8.sqnr_log_freq:
                 hooks.append(SQNRHook(self.model, cfg.float8.sqnr_log_freq, self.is_logging_rank))
-        must_check = lambda out: self.metrics.should_log(out.step) or self.checkpointer.due(out.step, out.last)  # noqa: E731
+        stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
+
+        def must_check(out: StepOutput) -> bool:
+            return stop.stopping or self.metrics.should_log(out.step) or self.checkpointer.due(out.step, out.last)
+
+        metrics = MetricsHook(self.metrics, cfg.training.steps, self._global_mean_loss, force=lambda: stop.stopping)
+        metrics.losses = self.losses
+        hooks.insert(0, stop)
         hooks += [
             NonFiniteHook(self.nan_guard, must_check, self.checkpointer.folder),  # before metrics and saves
             metrics,
             CheckpointHook(self.checkpointer),
             CollectiveTimeoutHook(self.step + 1, cfg.comm.train_timeout_seconds),
+            StopHook(stop, self.checkpointer, cfg.training.steps),  # last: saves and raises TrainingStopped
         ]
         return hooks
 

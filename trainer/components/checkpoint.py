@@ -1,11 +1,12 @@
-"""DCP checkpoints: model, optimizer, LR scheduler, data loader (per DP rank) and train step; atomic saves.
+"""DCP checkpoints: model, optimizer, LR scheduler, data loader (global position) and train step; atomic saves.
 
 Layout: `{folder}/step-N/` holds one torch.distributed.checkpoint (DCP) save (`.metadata` plus one
 `__R_0.distcp` file per rank) and `kiln.json` (step, contents, layout, model shape, save order); weights-only
 saves are exports, `{folder}/export-step-N/`, and never a resume point. Keys follow torchtitan,
 so its users' tools read kiln checkpoints: model weights at the top level (`layers.0.attention.wq.weight`),
-then `optimizer.*` (flattened, keyed by parameter name), `lr_scheduler.*`, `dataloader.dp_rank_R` (each
-data-parallel rank's own position) and `train_state.step`. A weights-only save holds the model keys alone.
+then `optimizer.*` (flattened, keyed by parameter name), `lr_scheduler.*`, `dataloader.*` (the global data
+position, the same on every rank) and `train_state.step` / `train_state.settings` (trainer/components/resume.py).
+A weights-only save holds the model keys alone.
 
 Atomicity: rank 0 creates `step-N.tmp` with a `.kiln-saving` mark, every rank writes into it; DCP writes
 `.metadata` on rank 0 only after gathering every rank's write results, then rank 0 writes `kiln.json` and
@@ -133,10 +134,10 @@ def is_model_key(key: str) -> bool:
     return key.split(".", 1)[0] not in (OPTIMIZER, "lr_scheduler", DATALOADER, TRAIN_STATE)
 
 
-def check_matches(
-    path: str, ours: dict[str, Any], md: Metadata, weights_only: bool, dp_degree: int | None = None
-) -> None:
-    """Raise CheckpointError if checkpoint `path` cannot fill state dict `ours`: other model shape or DP layout."""
+def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: bool) -> None:
+    """Raise CheckpointError if checkpoint `path` cannot fill state dict `ours`: other model shape or state keys.
+
+    The data-loader position is global (the same on every rank), so any data-parallel layout resumes it."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(ours)
@@ -161,17 +162,12 @@ def check_matches(
         raise CheckpointError(f"{where} holds another model: it has '{extra_model[0]}', which this model lacks")
     if weights_only:
         return
-    # Each rank holds only its own dataloader.dp_rank_R, so the expected set comes from the DP degree.
-    theirs_dp = {k for k in saved if k.startswith(DATALOADER + ".")}
-    ours_dp = {f"{DATALOADER}.dp_rank_{r}" for r in range(dp_degree)} if dp_degree else theirs_dp
-    if ours_dp != theirs_dp:
+    if any(k.startswith(f"{DATALOADER}.dp_rank_") for k in saved):
         raise CheckpointError(
-            f"{where} was saved by {len(theirs_dp)} data-parallel rank(s) and this run has {len(ours_dp)}: "
-            "data-loader positions are per rank, so a full checkpoint resumes only under the same "
-            "data-parallel degree: resume with the parallelism settings it was saved with"
+            f"{where} holds per-rank data-loader positions (saved before kiln's global sample order); "
+            "its data position cannot be resumed"
         )
     missing = [k for k in flat if k not in saved]
-    extra = [k for k in extra if not k.startswith(DATALOADER + ".")]
     if missing or extra:
         what = f"has no '{missing[0]}'" if missing else f"has '{extra[0]}', which this run lacks"
         raise CheckpointError(f"{where} does not match this run's optimizer/state: it {what}")
@@ -355,7 +351,7 @@ class CheckpointManager:
         self._check_planned_saves(entries, 0 if weights_only else entry.step, last_step)
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
-        check_matches(path, sd, md, weights_only, getattr(self.states.get(DATALOADER), "dp_degree", None))
+        check_matches(path, sd, md, weights_only)
         try:
             dcp.load(sd, storage_reader=SafeFileSystemReader(path, md))
         except (Exception, CheckpointException) as e:  # gathers every rank's failure: all ranks raise here
@@ -419,6 +415,16 @@ class CheckpointManager:
             error = box[0]
         if error is not None:
             raise CheckpointError(error)
+
+    def save_full(self, step: int) -> str | None:
+        """Save a full (resumable) checkpoint of `step` now, synchronously, unless maybe_save(step) just wrote
+        one (preemption: the run must resume right after this step). Returns its folder; None when disabled."""
+        if not self.enabled:
+            return None
+        self._finish_pending()  # a background save of this step is published first
+        if not (self.due(step) and not self.cfg.model_weights_only):
+            self._save(step, weights_only=False, background=False)
+        return step_dir(self.folder, step)
 
     def _save(self, step: int, weights_only: bool, background: bool) -> None:
         t0 = time.perf_counter()

@@ -1,7 +1,16 @@
-"""Text datasets streamed with HF `datasets`, tokenized and packed into seq_len+1 windows, per DP rank.
+"""Text datasets streamed with HF `datasets`, tokenized and packed into seq_len+1 windows in one global order.
 
-The loader is stateful: `state_dict()` holds the dataset's position and the partly used token buffer, so a
-resumed run sees exactly the tokens the uninterrupted run would have.
+The sample order is global (Megatron's global sample index; torchtitan instead splits the dataset per rank,
+which ties a checkpoint to its data-parallel degree): every rank streams the whole dataset, shard by shard and
+record by record, packs the same windows, and takes its slice of each round of dp_degree x local_batch_size
+windows: window j of a round goes to DP rank j // local_batch_size. So the global batch of step N is the same
+sequences whatever the DP degree and local batch size. The price: every rank tokenizes the whole stream
+(docs/config.md has the measured cost).
+
+The loader state is global and made of plain types (ints and a list of ints; the same on every rank): the
+number of sequences consumed, and where that position lies in the stream (epoch, shard, records read from
+it, tokens left over from the last record), so a run resumed under any DP layout continues with exactly the
+tokens the uninterrupted run would have seen, without re-tokenizing what came before.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import torch
 
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import ConfigError, Training
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, DataError
 
 logger = logging.getLogger("kiln")
 
@@ -67,28 +76,73 @@ def _local_files(path: str) -> tuple[str, list[str]]:
 
 
 def _check_readable(path: str, kind: str) -> None:
-    """Fail now, naming the file, rather than mid-run inside a `datasets` worker: open it and parse its head."""
+    """Fail now, naming the file, rather than mid-run: open it and check its first record."""
     try:
         if kind == "parquet":
             import pyarrow.parquet as pq
 
             pq.read_metadata(path)
             return
-        with open(path, "rb") as fh:
-            head = fh.readline()
-        if os.path.splitext(path)[1] == ".jsonl" and head.strip():
-            record = json.loads(head)
-            if not isinstance(record, dict) or "text" not in record:
-                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"its first record has no 'text' field (has: {keys})")
-        elif kind == "text":
-            head.decode("utf-8")
-    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError and ArrowInvalid are ValueErrors
-        raise ConfigError(f"training.dataset_path: cannot read {path}: {e}") from None
+        problem = _first_bad_record(path, "text", max_records=1)
+    except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
+        raise DataError(f"data file {path}: cannot read: {e}") from None
+    if problem is not None:
+        raise DataError(f"data file {path}, {problem}")
 
 
-def load_text_dataset(name: str, path: str | None):
-    """A streaming HF IterableDataset for a registered name or a local path."""
+_JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
+
+
+def _record_problem(record: Any, key: str) -> str | None:
+    """Why `record` (a parsed record) cannot be trained on, or None."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {_JSON_TYPES.get(type(record), type(record).__name__)}"
+    if key not in record:
+        return f"no '{key}' field (has: {', '.join(record) or 'nothing'})"
+    value = record[key]
+    if value is None:
+        return f"'{key}' is null"
+    if not isinstance(value, str):
+        return f"'{key}' is {_JSON_TYPES.get(type(value), type(value).__name__)}, not a string"
+    return None
+
+
+def _first_bad_record(path: str, key: str, max_records: int | None = None) -> str | None:
+    """'record R (line L): why' for the first record of a .jsonl or .txt file that cannot be trained on.
+
+    Used before training (first record) and after `datasets` failed or yielded a bad value, to name the exact
+    line: `datasets` reads JSON in blocks, so its own error cannot say which line (blank lines are not records).
+    """
+    ext = os.path.splitext(path)[1]
+    if ext not in (".jsonl", ".txt"):
+        return None
+    record = 0
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if max_records is not None and record >= max_records:
+                return None
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"record {record + 1} (line {line_no}): not UTF-8 (byte 0x{raw[e.start]:02x})"
+            if ext == ".txt":  # every line is a record
+                record += 1
+                continue
+            if not line.strip():  # JSON Lines readers skip blank lines
+                continue
+            record += 1
+            try:
+                problem = _record_problem(json.loads(line.rstrip("\r\n")), key)
+            except json.JSONDecodeError as e:
+                return f"record {record} (line {line_no}): not valid JSON ({e.msg}, column {e.colno})"
+            if problem is not None:
+                return f"record {record} (line {line_no}): {problem}; every record needs a string '{key}' field"
+    return None
+
+
+def load_text_dataset(name: str, path: str | None) -> tuple[Any, list[str] | None]:
+    """A streaming HF IterableDataset for a registered name or a local path, and its shards' file names
+    (None for a hub dataset)."""
     import datasets  # lazy: heavy import
 
     if path is None:
@@ -100,7 +154,7 @@ def load_text_dataset(name: str, path: str | None):
         spec = DATASETS[name]
         if spec.hub:
             try:
-                return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True)
+                return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True), None
             except Exception as e:  # offline, gated, renamed: whatever the hub says, it is not a kiln bug
                 raise ConfigError(
                     f"training.dataset {name}: cannot open {spec.path} on the Hugging Face hub ({e}); "
@@ -108,14 +162,25 @@ def load_text_dataset(name: str, path: str | None):
                 ) from None
         path = spec.path
     builder, files = _local_files(path)
-    return datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+    # kiln names the file and line of a malformed record itself; the json builder's own ERROR log line about
+    # the same failure would be a second, less precise line on stderr.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    try:
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+    except StopIteration:  # what `datasets` raises when it infers the columns from empty files
+        raise DataError(f"training.dataset_path {path}: no records in {', '.join(files)}") from None
+    if ds.n_shards != len(files):  # one shard per file is what names files in errors
+        raise AssertionError(f"expected one shard per file, got {ds.n_shards} shards for {len(files)} files")
+    return ds, files
 
 
 class TokenWindows:
-    """Iterates token windows of length seq_len+1 from one DP rank's share of a text dataset.
+    """Token windows of length seq_len+1 from the whole dataset, in one global order.
 
-    Documents are encoded with bos and eos and concatenated, so windows cross document boundaries
-    (standard pretraining packing). When the data runs out it warns and starts over.
+    Documents are encoded with bos and eos and concatenated, so windows cross document boundaries (standard
+    pretraining packing). Shards (files) are read in order, records in file order. When the data runs out it
+    warns and starts over. Every record must have a string `text_key` field; a bad one is a DataError naming
+    the file (or shard) and the record.
     """
 
     def __init__(
@@ -123,97 +188,138 @@ class TokenWindows:
         hf_dataset: Any,
         tokenizer: Tokenizer,
         seq_len: int,
-        dp_rank: int,
-        dp_degree: int,
         text_key: str = "text",
         source: str = "training dataset",
+        shard_files: list[str] | None = None,
     ) -> None:
-        from datasets.distributed import split_dataset_by_node
-
-        self.data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_degree)
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.data = hf_dataset
+        self.n_shards = hf_dataset.n_shards
+        self.shard_files = shard_files  # local data: the file of each shard, named in errors
         self.tokenizer = tokenizer
         self.window = seq_len + 1
         self.text_key = text_key
         self.source = source  # named in errors
-        self.buffer: list[int] = []
+        # The position: `sequences` windows produced; the next record is `record` of `shard` in `epoch`;
+        # `buffer` holds the tokens read but not yet in a window.
+        self.sequences = 0
         self.epoch = 0
+        self.shard = 0
+        self.record = 0
+        self.buffer: list[int] = []
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
-            produced = False
-            for sample in self._samples():
-                self.buffer.extend(self.tokenizer.encode(sample, bos=True, eos=True))
-                while len(self.buffer) >= self.window:
-                    produced = True
-                    window, self.buffer = self.buffer[: self.window], self.buffer[self.window :]
-                    yield window
-            if not produced and self.epoch > 0:
-                raise ConfigError("training dataset is too small to fill one sequence of training.seq_len tokens")
-            self.epoch += 1
+            from_start, produced, records = (self.shard, self.record) == (0, 0), False, 0
+            while self.shard < self.n_shards:
+                for text in self._texts(self.shard, self.record):
+                    self.record += 1
+                    records += 1
+                    self.buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
+                    while len(self.buffer) >= self.window:
+                        produced = True
+                        window, self.buffer = self.buffer[: self.window], self.buffer[self.window :]
+                        self.sequences += 1
+                        yield window
+                self.shard, self.record = self.shard + 1, 0
+            if from_start and records == 0:
+                files = f" in {', '.join(self.shard_files)}" if self.shard_files is not None else ""
+                raise DataError(f"{self.source}: no records{files}")
+            if from_start and not produced:
+                raise DataError(
+                    f"{self.source} is too small to fill one sequence of training.seq_len + 1 = {self.window} tokens"
+                )
+            self.epoch, self.shard = self.epoch + 1, 0
             logger.warning(f"dataset exhausted; re-looping (epoch {self.epoch})")
-            self.data.set_epoch(self.epoch)
 
-    def _samples(self) -> Iterator[str]:
-        """The text of each record; a malformed file is a user error that names the dataset."""
-        it = iter(self.data)
+    def _where(self, shard: int, record: int) -> str:
+        """'data file F' or 'training.dataset c4 shard S/N', then the 1-based record number."""
+        if self.shard_files is not None:
+            return f"data file {self.shard_files[shard]}, record {record + 1}"
+        return f"{self.source} shard {shard + 1}/{self.n_shards}, record {record + 1}"
+
+    def _error(self, shard: int, record: int, problem: str) -> DataError:
+        """A DataError naming the exact file and line when the file can be scanned, else the record `datasets`
+        was reading."""
+        if self.shard_files is not None:
+            try:
+                exact = _first_bad_record(self.shard_files[shard], self.text_key)
+            except OSError:
+                exact = None
+            if exact is not None:
+                return DataError(f"data file {self.shard_files[shard]}, {exact}")
+        return DataError(f"{self._where(shard, record)}: {problem}")
+
+    def _texts(self, shard: int, start: int) -> Iterator[str]:
+        """The text of each record of `shard` from record `start` on (the ones before are skipped unread by
+        the tokenizer: `datasets` still parses them)."""
+        ds = self.data if self.n_shards == 1 else self.data.shard(num_shards=self.n_shards, index=shard)
+        it = iter(ds.skip(start) if start else ds)
+        record = start
         while True:
             try:
                 sample = next(it)
             except StopIteration:
                 return
-            except ValueError as e:  # pyarrow's ArrowInvalid (bad JSON/parquet) is a ValueError
-                raise ConfigError(f"{self.source}: cannot read: {e}") from None
-            if self.text_key not in sample:
-                raise ConfigError(f"{self.source}: record has no '{self.text_key}' field (has: {', '.join(sample)})")
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (bad JSON/parquet) is a ValueError
+                raise self._error(shard, record, f"cannot read (at or after this record): {e}") from None
+            problem = _record_problem(sample, self.text_key)
+            if problem is not None:
+                raise self._error(shard, record, f"{problem}; every record needs a string '{self.text_key}' field")
             yield sample[self.text_key]
+            record += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
+        """The position, in plain types (loads with torch.load(weights_only=True)); the same on every rank."""
+        return {
+            "sequences": self.sequences,
+            "epoch": self.epoch,
+            "shard": self.shard,
+            "record": self.record,
+            "buffer": list(self.buffer),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.data.load_state_dict(state["data"])
-        self.buffer = list(state["buffer"])
-        self.epoch = state["epoch"]
-        self.data.set_epoch(self.epoch)
-
-
-def _encode(position: dict[str, Any]) -> bytes:
-    """The loader position (plain ints, strings, lists, dicts) as JSON bytes: loading it can run no code."""
-    return json.dumps(position).encode()
-
-
-def _decode(data: Any, key: str) -> dict[str, Any]:
-    try:
-        position = json.loads(data)
-    except (TypeError, ValueError):  # e.g. a pickled position from an older kiln: never unpickled
-        position = None
-    if not isinstance(position, dict) or not {"data", "buffer", "epoch"} <= position.keys():
-        raise CheckpointError(
-            f"checkpoint data-loader position dataloader.{key} is not a JSON position (written by an older kiln, or "
-            "crafted); kiln does not unpickle it: resume from a newer checkpoint or start the data from the beginning"
-        )
-    return position
+        expected = {"sequences", "epoch", "shard", "record", "buffer"}
+        if set(state) != expected:
+            raise CheckpointError(
+                f"the checkpoint's data-loader state has keys {sorted(state)}, expected {sorted(expected)} "
+                "(saved by an older kiln with per-rank positions?)"
+            )
+        if not 0 <= state["shard"] < self.n_shards:
+            raise CheckpointError(
+                f"the checkpoint's data position is in shard {state['shard'] + 1}, but {self.source} has "
+                f"{self.n_shards} shard(s)"
+            )
+        self.sequences, self.epoch = int(state["sequences"]), int(state["epoch"])
+        self.shard, self.record = int(state["shard"]), int(state["record"])
+        self.buffer = [int(t) for t in state["buffer"]]
 
 
 class DataLoader:
-    """Batches windows into (inputs, labels) LongTensors of shape [local_batch_size, seq_len].
+    """Batches windows into (inputs, labels) LongTensors of shape [local_batch_size, seq_len] for one DP rank.
 
-    A background thread tokenizes and packs up to `prefetch` batches ahead (pinned in memory when `pin_memory`,
-    so the host-to-device copy can overlap compute). Each queued batch carries the loader position just after
-    it, so `state_dict()` describes exactly the batches the trainer consumed, not the ones prefetched.
+    Each call reads one round of dp_degree x batch_size windows of the global order and keeps this rank's
+    slice: window j of the round goes to rank j // batch_size. A background thread tokenizes and packs up to
+    `prefetch` batches ahead (pinned in memory when `pin_memory`, so the host-to-device copy can overlap
+    compute). Each queued batch carries the loader position just after it, so `state_dict()` describes
+    exactly the batches the trainer consumed, not the ones prefetched.
     """
 
-    def __init__(self, windows: TokenWindows, batch_size: int, prefetch: int = 2, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        windows: TokenWindows,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+    ) -> None:
         self.windows = windows
-        # Each DP rank reads its own shard, so each saves its own position under its own key (as torchtitan):
-        # a checkpoint then holds dp_rank_0 .. dp_rank_{D-1} and resumes only under the same DP degree.
-        self.state_key = f"dp_rank_{windows.dp_rank}"
-        self.dp_degree = windows.dp_degree
         self.batch_size = batch_size
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.prefetch = prefetch
         self.pin_memory = pin_memory
-        self._position = _encode(windows.state_dict())  # after the last batch handed out
+        self._position = windows.state_dict()  # after the last batch handed out
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -222,11 +328,16 @@ class DataLoader:
     def __iter__(self) -> DataLoader:
         return self
 
-    def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, bytes]:
-        batch = torch.tensor([next(it) for _ in range(self.batch_size)], dtype=torch.long)
+    def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        rows = []
+        for j in range(self.dp_degree * self.batch_size):  # the other ranks' windows are read and dropped
+            window = next(it)
+            if j // self.batch_size == self.dp_rank:
+                rows.append(window)
+        batch = torch.tensor(rows, dtype=torch.long)
         if self.pin_memory:
             batch = batch.pin_memory()
-        return batch[:, :-1], batch[:, 1:], _encode(self.windows.state_dict())
+        return batch[:, :-1], batch[:, 1:], self.windows.state_dict()
 
     def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
         it = iter(self.windows)
@@ -273,25 +384,38 @@ class DataLoader:
     def close(self) -> None:
         self._reset()
 
-    def state_dict(self) -> dict[str, bytes]:
-        """{dp_rank_R: position as JSON}: bytes, so DCP stores it as one opaque item per rank."""
-        return {self.state_key: self._position}
+    def state_dict(self) -> dict[str, Any]:
+        """The global position after the last batch handed out (TokenWindows.state_dict): one DCP item per key,
+        identical on every rank, so a checkpoint resumes under any data-parallel layout."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in self._position.items()}
 
-    def load_state_dict(self, state: dict[str, bytes]) -> None:
-        if self.state_key not in state:
-            raise ConfigError(
-                f"checkpoint has no data-loader state for {self.state_key} (saved with another data-parallel degree)"
-            )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reset()
-        self._position = state[self.state_key]
-        self.windows.load_state_dict(_decode(self._position, self.state_key))
+        self.windows.load_state_dict(state)
+        self._position = self.windows.state_dict()
+
+
+def dataset_fingerprint(cfg: Training) -> dict[str, Any]:
+    """What identifies the training data in a checkpoint: the hub dataset id, or each local file's path
+    (relative to the dataset folder) and size. Moving the data keeps it; adding, removing, editing or replacing
+    a file changes it. Cheap: a directory walk and a stat per file, no reading."""
+    if cfg.dataset_path is None and cfg.dataset in DATASETS and DATASETS[cfg.dataset].hub:
+        spec = DATASETS[cfg.dataset]
+        return {"hub": f"{spec.path}/{spec.hub_config}"}
+    path = cfg.dataset_path if cfg.dataset_path is not None else DATASETS[cfg.dataset].path
+    _, files = _local_files(path)
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    return {"files": [[os.path.relpath(f, root), os.path.getsize(f)] for f in files]}
 
 
 def build_dataloader(
     cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, pin_memory: bool = False
 ) -> DataLoader:
-    hf = load_text_dataset(cfg.dataset, cfg.dataset_path)
+    """This DP rank's loader over the global sample order (every rank streams the whole dataset)."""
+    hf, files = load_text_dataset(cfg.dataset, cfg.dataset_path)
     text_key = DATASETS[cfg.dataset].text_key if cfg.dataset in DATASETS else "text"
     source = f"training.dataset_path {cfg.dataset_path}" if cfg.dataset_path else f"training.dataset {cfg.dataset}"
-    windows = TokenWindows(hf, tokenizer, cfg.seq_len, dp_rank, dp_degree, text_key, source)
-    return DataLoader(windows, cfg.local_batch_size, prefetch=cfg.data_prefetch, pin_memory=pin_memory)
+    windows = TokenWindows(hf, tokenizer, cfg.seq_len, text_key, source, files)
+    return DataLoader(
+        windows, cfg.local_batch_size, dp_rank, dp_degree, prefetch=cfg.data_prefetch, pin_memory=pin_memory
+    )

@@ -1,0 +1,134 @@
+"""Resume compatibility: the settings that alter training are saved in every full checkpoint and compared
+when it is resumed, key by key, as docs/checkpoint.md's table says:
+
+- refused (CheckpointError, exit 2): the data (dataset files and sizes, or the hub id), the tokenizer (file
+  hash), training.seq_len and the model's shape: the saved data position and weights mean nothing under them;
+- handled exactly (a warning says what changed): training.steps, lr_scheduler.* and optimizer.*: the config's
+  values apply from the resumed step on. The LR schedule is rebuilt for the new total at the current step (the
+  first resumed step uses the new schedule's lr), and the optimizer's hyperparameters are set from the config
+  (a checkpoint's param_groups would otherwise silently keep the old ones);
+- warned: the global batch size (the data continues at the saved sequence index, each step now takes the new
+  number of sequences), the float8 recipe, the compute dtype.
+
+The settings travel as train_state.settings, a JSON string inside the DCP checkpoint: every rank reads them in
+the same load, they are as atomic as the rest of the state, and they load with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from models import ModelArgs
+from trainer.config import JobConfig
+from trainer.errors import CheckpointError
+
+# Keys whose change makes the checkpoint meaningless for this run, with the reason given to the user.
+REFUSED = {
+    "data": "its data position (a sequence index into that data) would point into other data",
+    "model.tokenizer": "its data position and embeddings belong to another tokenizer",
+    "training.seq_len": "its data position counts sequences of the saved length",
+    "model": "its weights belong to another model",
+}
+SCHEDULE = ("training.steps", "optimizer.lr", "lr_scheduler")  # handled: the schedule is rebuilt
+OPTIMIZER = ("optimizer.name", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay")
+WARNED = {
+    "training.global_batch_size": "the data continues at the saved sequence index; each step now takes the new "
+    "number of sequences",
+    "float8": "training continues with this run's float8 setting",
+    "training.mixed_precision_param": "training continues in this run's compute dtype",
+}
+_INIT_ONLY = ("max_seq_len", "depth_init")  # ModelArgs fields that do not change a trained model
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def training_settings(
+    cfg: JobConfig, model_args: ModelArgs, global_batch_size: int, data: dict[str, Any], tokenizer_sha256: str
+) -> dict[str, Any]:
+    """The settings a checkpoint is saved with (plain JSON types), keyed as the table in docs/checkpoint.md."""
+    t, o, f8 = cfg.training, cfg.optimizer, cfg.float8
+    model = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in _INIT_ONLY}
+    return {
+        "data": {"name": t.dataset if t.dataset_path is None else t.dataset_path, **data},
+        "model.tokenizer": tokenizer_sha256,
+        "training.seq_len": t.seq_len,
+        "model": model,
+        "training.steps": t.steps,
+        "lr_scheduler": dataclasses.asdict(cfg.lr_scheduler),
+        "optimizer.name": o.name,
+        "optimizer.lr": o.lr,
+        "optimizer.beta1": o.beta1,
+        "optimizer.beta2": o.beta2,
+        "optimizer.eps": o.eps,
+        "optimizer.weight_decay": o.weight_decay,
+        "training.global_batch_size": global_batch_size,
+        "float8": {
+            "enable_float8_linear": f8.enable_float8_linear,
+            "recipe_name": f8.recipe_name,
+            "filter_fqns": list(f8.filter_fqns),
+            "auto_filter_small_kn": f8.auto_filter_small_kn,
+        },
+        "training.mixed_precision_param": t.mixed_precision_param,
+    }
+
+
+def _difference(old: Any, new: Any) -> str:
+    """The first differing entry of two settings values, for the message."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new), key=str):
+            if old.get(k) != new.get(k):
+                return f"{k}: {_difference(old.get(k), new.get(k))}"
+    return f"{old!r} there, {new!r} in this run"
+
+
+def check_resume(saved: dict[str, Any], current: dict[str, Any], where: str) -> list[str]:
+    """Raise CheckpointError for a refused change; return one warning line per handled or warned change."""
+    for key, why in REFUSED.items():
+        if saved.get(key) != current[key]:
+            raise CheckpointError(
+                f"{where} was saved with other {key} ({_difference(saved.get(key), current[key])}): {why}; "
+                f"resume with the settings it was saved with, or start a new run in another checkpoint.folder"
+            )
+    warnings = []
+    for key in (*SCHEDULE, *OPTIMIZER):
+        if saved.get(key) != current[key]:
+            warnings.append(
+                f"resuming {where} with changed {key} ({_difference(saved.get(key), current[key])}): "
+                "this run's value applies from the resumed step on"
+                + (" (LR schedule rebuilt for this run's steps at the current step)" if key in SCHEDULE else "")
+            )
+    for key, what in WARNED.items():
+        if saved.get(key) != current[key]:
+            warnings.append(
+                f"resuming {where} with changed {key} ({_difference(saved.get(key), current[key])}): {what}"
+            )
+    return warnings
+
+
+def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> tuple[float, float]:
+    """After a checkpoint load: make the optimizer and LR schedule this run's again; return (old lr, new lr).
+
+    Loading restores param_groups (lr, betas, eps, weight decay) and the scheduler's base_lrs from the
+    checkpoint, so a changed config value would be ignored, and the first resumed step would use the lr the old
+    schedule computed. The optimizer's `defaults` hold this run's config (it was built from it); the lr of the
+    next step is this run's schedule at the current step, the same expression LambdaLR evaluates, so with
+    unchanged settings nothing changes, bitwise.
+    """
+    old_lr = optimizer.param_groups[0]["lr"]
+    hyper = {k: v for k, v in optimizer.defaults.items() if k != "lr"}
+    base_lr = optimizer.defaults["lr"]
+    scheduler.base_lrs = [base_lr] * len(optimizer.param_groups)
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group.update(hyper)
+        group["initial_lr"] = base_lr
+        group["lr"] = base_lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports for the log line
+    return old_lr, optimizer.param_groups[0]["lr"]
