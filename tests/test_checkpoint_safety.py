@@ -124,7 +124,7 @@ def test_crafted_metadata_is_refused_and_runs_nothing(tmp_path: Path, capsys: py
     assert snapshot(folder) == before
 
 
-@pytest.mark.parametrize("fqn", ["optimizer.param_groups.output.weight.lr", "dataloader.dp_rank_0", "train_state.step"])
+@pytest.mark.parametrize("fqn", ["optimizer.param_groups.output.weight.lr", "dataloader.buffer", "train_state.step"])
 def test_crafted_non_tensor_item_is_refused_and_runs_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture, fqn: str
 ) -> None:
@@ -142,13 +142,13 @@ def test_crafted_non_tensor_item_is_refused_and_runs_nothing(
 
 
 def test_data_loader_position_is_never_unpickled(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Plain bytes pass torch.load(weights_only=True); bytes holding a pickle (what kiln used to pickle.loads)
-    must still not run: the position is JSON."""
+    """Plain bytes pass torch.load(weights_only=True); bytes holding a pickle (what kiln once pickle.loads-ed)
+    must still not run: the position is plain integers, and anything else is refused."""
     folder = good_run(tmp_path / "run")
     step, marker = folder / "step-2", tmp_path / "pwned"
-    rewrite_item(step, "dataloader.dp_rank_0", torch_saved(pickle.dumps(Payload(marker))))
+    rewrite_item(step, "dataloader.buffer", torch_saved(pickle.dumps(Payload(marker))))
     err = refused(tmp_path / "run", capsys, *CKPT, "--training.steps", "4")
-    assert "data-loader position dataloader.dp_rank_0 is not a JSON position" in err, err
+    assert "data-loader position is not plain integers" in err, err
     assert not marker.exists()
 
 

@@ -345,6 +345,13 @@ def run_trainer(dump: Path, *args: str) -> Trainer:
 CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--training.steps", "4")
 
 
+def run_to_step_3(tmp_path: Path) -> None:
+    """Train 4 steps (saves step-3 and step-4), then move step-4 out: kiln refuses a rollback in place, so a
+    user resuming from step-3 with other settings first moves the later checkpoint aside."""
+    run_trainer(tmp_path, *CKPT)
+    (tmp_path / "checkpoint" / "step-4").rename(tmp_path / "step-4.moved")
+
+
 def test_checkpoint_loader_and_settings_load_with_weights_only(tmp_path: Path, small_model: None) -> None:
     run_trainer(tmp_path, *CKPT)
     step = tmp_path / "checkpoint" / "step-3"
@@ -372,7 +379,7 @@ def test_changed_steps_rebuild_the_lr_schedule_at_the_resumed_step(
 ) -> None:
     """Saved at step 3 of 4 (the old schedule decays: lr factor 0.5 for step 4); resumed with 20 steps, step 4
     uses the 20-step schedule's lr (factor 1.0), and every later lr is that schedule's."""
-    run_trainer(tmp_path, *CKPT)
+    run_to_step_3(tmp_path)
     caplog.set_level(logging.WARNING, logger="kiln")
     resumed = Trainer(parse_args([*TINY, "--job.dump_folder", str(tmp_path), *CKPT[:3], "--training.steps", "20",
                                   "--checkpoint.load_step", "3"]))  # fmt: skip
@@ -394,7 +401,7 @@ def test_changed_steps_rebuild_the_lr_schedule_at_the_resumed_step(
 
 
 def test_changed_optimizer_settings_apply(tmp_path: Path, small_model: None, caplog: pytest.LogCaptureFixture) -> None:
-    run_trainer(tmp_path, *CKPT)
+    run_to_step_3(tmp_path)
     caplog.set_level(logging.WARNING, logger="kiln")
     args = [*TINY, "--job.dump_folder", str(tmp_path), *CKPT, "--checkpoint.load_step", "3"]
     resumed = Trainer(parse_args([*args, "--optimizer.weight_decay", "0.3", "--optimizer.beta2", "0.99"]))
@@ -454,7 +461,7 @@ def test_check_resume_table() -> None:
 
 
 def test_changed_global_batch_continues_at_the_saved_sequence(tmp_path: Path, small_model: None) -> None:
-    run_trainer(tmp_path, *CKPT)
+    run_to_step_3(tmp_path)
     args = [*TINY, "--job.dump_folder", str(tmp_path), *CKPT, "--checkpoint.load_step", "3"]
     resumed = Trainer(parse_args([*args, "--training.local_batch_size", "4"]))
     resumed.close()

@@ -285,6 +285,13 @@ class TokenWindows:
                 f"the checkpoint's data-loader state has keys {sorted(state)}, expected {sorted(expected)} "
                 "(saved by an older kiln with per-rank positions?)"
             )
+        ints = [state[k] for k in ("sequences", "epoch", "shard", "record")]
+        buffer = state["buffer"]
+        if not all(type(v) is int for v in ints) or type(buffer) is not list or any(type(t) is not int for t in buffer):
+            raise CheckpointError(
+                "the checkpoint's data-loader position is not plain integers (sequences, epoch, shard, record and a "
+                "list of token ids); it was not written by this kiln and is not used"
+            )
         if not 0 <= state["shard"] < self.n_shards:
             raise CheckpointError(
                 f"the checkpoint's data position is in shard {state['shard'] + 1}, but {self.source} has "
