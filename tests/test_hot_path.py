@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.config import parse_args
+from trainer.internals import TorchDispatchMode
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

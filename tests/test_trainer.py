@@ -12,6 +12,7 @@ import torch
 from trainer.components.metrics import format_step_line, peak_flops
 from trainer.components.optim import lr_factor
 from trainer.config import parse_args
+from trainer.hooks import compiling_steps
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +111,39 @@ def test_step_line_shape_and_peak_table() -> None:
     cpu = peak_flops(torch.device("cpu"), None)
     assert cpu.bf16 is None
     assert peak_flops(torch.device("cpu"), 989.0).bf16 == 989e12
+
+
+def test_compiling_steps() -> None:
+    """The steps that keep the long collective timeout: warm-up, and each graph's first compiled step."""
+    assert compiling_steps(0, compile=False, eager_first_step=True, sqnr_freq=10) == {1}  # eager: warm-up only
+    assert compiling_steps(0, compile=True, eager_first_step=False, sqnr_freq=0) == {1}
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=0) == {1, 2}  # float8 check: eager 1
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=10) == {1, 2, 10}
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=2) == {1, 2, 3}
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=1) == {1, 2}  # every step measures
+    assert compiling_steps(7, compile=True, eager_first_step=True, sqnr_freq=4) == {8, 9, 12}  # resumed at 7
+
+
+def test_collective_timeout_is_long_while_steps_may_compile(tmp_path: Path) -> None:
+    """float8 + compile: step 1 runs eagerly (float8 check), step 2 compiles, so both keep the init timeout; the
+    short one starts at step 3. Read back from the process group itself."""
+    from trainer.hooks import CollectiveTimeoutHook
+    from trainer.internals import pg_timeout
+
+    cfg = parse_args(
+        ["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), *BASE, "--training.compile"]
+        + ["--float8.enable_float8_linear", "--comm.init_timeout_seconds", "77", "--comm.train_timeout_seconds", "11"]
+    )
+    trainer = Trainer(cfg)
+    hooks = trainer.build_hooks()
+    try:
+        (hook,) = [h for h in hooks if isinstance(h, CollectiveTimeoutHook)]
+        seen = [pg_timeout().total_seconds()]
+        for step in (1, 2, 3, 4):
+            hook.pre_step(step)
+            seen.append(pg_timeout().total_seconds())
+        assert seen == [77, 77, 77, 11, 11]
+    finally:
+        for h in hooks:
+            h.close()
+        trainer.close()

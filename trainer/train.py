@@ -41,6 +41,7 @@ from trainer.hooks import (
     SQNRHook,
     StepHook,
     StepOutput,
+    compiling_steps,
 )
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
@@ -212,7 +213,11 @@ class Trainer:
             NonFiniteHook(self.nan_guard, must_check, self.checkpointer.folder),  # before metrics and saves
             metrics,
             CheckpointHook(self.checkpointer),
-            CollectiveTimeoutHook(self.step + 1, cfg.comm.train_timeout_seconds),
+            CollectiveTimeoutHook(
+                compiling_steps(self.step, cfg.training.compile, self.float8 is not None, cfg.float8.sqnr_log_freq),
+                cfg.comm.init_timeout_seconds,
+                cfg.comm.train_timeout_seconds,
+            ),
         ]
         return hooks
 
