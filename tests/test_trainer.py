@@ -147,3 +147,48 @@ def test_collective_timeout_is_long_while_steps_may_compile(tmp_path: Path) -> N
         for h in hooks:
             h.close()
         trainer.close()
+
+
+def test_peak_table_matches_the_most_specific_gpu_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H200 NVL (PCIe, 600 W) is slower than the H200 SXM: its own row must win over the plain 'H200' one."""
+    cuda = torch.device("cuda", 0)
+    for name, bf16, fp8 in [
+        ("NVIDIA H200 NVL", 835.5e12, 1670.5e12),
+        ("NVIDIA H200", 989e12, 1979e12),
+        ("NVIDIA H100 80GB HBM3", 989e12, 1979e12),
+        ("NVIDIA H100 NVL", 835e12, 1671e12),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        peak = peak_flops(cuda, None)
+        assert (peak.bf16, peak.float8, peak.source) == (bf16, fp8, name)
+
+
+def test_loss_is_compiled_with_the_model(tmp_path: Path) -> None:
+    """training.compile compiles the loss too (no (tokens x vocab) fp32 transients; docs/performance.md)."""
+    from trainer.components.loss import cross_entropy_loss
+
+    for compile, compiled_loss in ((False, False), (True, True)):
+        cfg = parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), *BASE])
+        cfg.training.compile = compile
+        trainer = Trainer(cfg)
+        try:
+            assert (trainer.loss_fn is not cross_entropy_loss) is compiled_loss
+            assert (getattr(trainer.loss_fn, "__wrapped__", None) is cross_entropy_loss) is compiled_loss
+        finally:
+            trainer.close()
+
+
+@pytest.mark.slow
+def test_compiled_loss_matches_eager() -> None:
+    from trainer.components.loss import build_loss_fn, cross_entropy_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16, 1000, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 16))
+    eager = cross_entropy_loss(logits, labels)
+    (grad_eager,) = torch.autograd.grad(eager, logits)
+    compiled = build_loss_fn(compile=True)(logits, labels)
+    (grad_compiled,) = torch.autograd.grad(compiled, logits)
+    assert compiled.dtype == torch.float32
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_compiled, grad_eager)

@@ -13,7 +13,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -25,6 +24,7 @@ from trainer.build import build_model
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.data import build_dataloader
 from trainer.components.dist import init_distributed, set_determinism
+from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.tokenizer import Tokenizer
@@ -93,6 +93,7 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
+        self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
 
         self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -140,7 +141,7 @@ class Trainer:
         """Forward and fp32 cross-entropy of one micro-batch."""
         with self.amp:
             logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return self.loss_fn(logits, labels)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
