@@ -5,6 +5,7 @@
     python benchmarks/run.py --preset llama3_8b_8l --rows 0-1 --timeout 280 # a slice that fits a 10-minute command
     python benchmarks/run.py --preset llama3_8b_8l --skip-done              # every row not yet in --out
     python benchmarks/run.py --preset llama3_8b_8l --summary                # the table of all rows in --out
+    python benchmarks/run.py --preset llama3_8b_8l --engine torchtitan      # torchtitan 0.2.2, same shape and rows
 
 Each row runs benchmarks/row.py (train.py's Trainer plus a timer of the transformer blocks) in a fresh process
 (torchrun when --nproc > 1) for --warmup + --steps steps with log_freq 1, killed after --timeout seconds.
@@ -13,6 +14,8 @@ As soon as a row ends it is appended to `<out>/results.jsonl` (one JSON object p
 later runs with other --rows add to the same files. A row reports the median tps and mfu of the measured steps,
 their peak memory, the final loss, the whole step's time (tokens per step / tps) and the transformer blocks'
 forward+backward time inside it, and both as speedups over the bf16 row with the same compile/AC/nproc.
+`--engine torchtitan` runs the same rows with torchtitan 0.2.2 (gpu_bundle/torchtitan/run.sh, made by
+scripts/prepare_gpu_run.py; presets with `torchtitan: True`), into the same files, for side-by-side rows.
 """
 
 from __future__ import annotations
@@ -117,12 +120,24 @@ PRESETS: dict[str, dict] = {
         compile=[True],
         ac=["op"],
         precision=["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"],
+        torchtitan=True,  # gpu_bundle/torchtitan/llama3_8b_8l.toml is this shape
     ),
+}
+TORCHTITAN_RUN = ROOT / "gpu_bundle" / "torchtitan" / "run.sh"
+TORCHTITAN_AC = {
+    "none": ["--activation_checkpoint.mode", "none"],
+    "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "full": ["--activation_checkpoint.mode", "full"],
 }
 
 STEP = re.compile(
     r"step: +(?P<step>\d+)  loss: +(?P<loss>[\d.]+)  memory: +(?P<mem>[\d.]+)GiB\([\d.]+%\)  "
     r"tps: (?P<tps>[\d,]+)  mfu: (?P<mfu>n/a|[\d.]+%)"
+)
+# torchtitan 0.2.2's step line (metrics.disable_color_printing): step, loss, grad_norm, memory, tps, tflops, mfu.
+TT_STEP = re.compile(
+    r"step: +(?P<step>\d+)  loss: +(?P<loss>[\d.]+)  grad_norm: +[\d.]+  memory: +(?P<mem>[\d.]+)GiB\([\d.]+%\)  "
+    r"tps: (?P<tps>[\d,]+)  tflops: [\d,.]+  mfu: (?P<mfu>[\d.]+%)"
 )
 BLOCKS = re.compile(r"blocks: (?P<total>[\d.]+) ms per step \(forward (?P<fwd>[\d.]+), backward (?P<bwd>[\d.]+);")
 
@@ -153,14 +168,16 @@ class Row:
     date: str = field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
     host: str = field(default_factory=lambda: os.uname().nodename)
     args: list[str] = field(default_factory=list)
+    engine: str = "kiln"  # or "torchtitan"
 
     @property
     def id(self) -> str:
-        return row_id(self.precision, self.compile, self.ac)
+        return row_id(self.precision, self.compile, self.ac, self.engine)
 
 
-def row_id(precision: str, compile: bool, ac: str) -> str:
-    return f"{precision}/{'compile' if compile else 'eager'}/ac-{ac}"
+def row_id(precision: str, compile: bool, ac: str, engine: str = "kiln") -> str:
+    name = f"{precision}/{'compile' if compile else 'eager'}/ac-{ac}"
+    return name if engine == "kiln" else f"{engine}:{name}"
 
 
 def _flag(args: list[str], key: str, default: str) -> str:
@@ -194,13 +211,18 @@ def train_args(row: Row, preset: dict, extra: list[str], dump: Path) -> list[str
 
 def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float) -> Row:
     """Train warm-up + measured steps in a fresh process (killed after `timeout` s) and fill `row`."""
-    name = row.id.replace("/", "_")
-    row.args = train_args(row, preset, extra, out / "outputs" / name)
-    script = ["benchmarks/row.py", "--bench.warmup", str(row.warmup), *row.args]
-    if row.nproc > 1:
-        cmd = ["torchrun", f"--nproc_per_node={row.nproc}", "--rdzv_endpoint=localhost:0", *script]
+    name = row.id.replace("/", "_").replace(":", "_")
+    if row.engine == "torchtitan":
+        compile_flag = "--compile.enable" if row.compile else "--compile.no-enable"
+        row.args = [*TORCHTITAN_AC[row.ac], compile_flag, "--job.dump_folder", str(out / "outputs" / name), *extra]
+        cmd = ["bash", str(TORCHTITAN_RUN), row.precision, str(row.warmup + row.steps), *row.args]
     else:
-        cmd = [sys.executable, *script]
+        row.args = train_args(row, preset, extra, out / "outputs" / name)
+        script = ["benchmarks/row.py", "--bench.warmup", str(row.warmup), *row.args]
+        if row.nproc > 1:
+            cmd = ["torchrun", f"--nproc_per_node={row.nproc}", "--rdzv_endpoint=localhost:0", *script]
+        else:
+            cmd = [sys.executable, *script]
     t0 = time.perf_counter()
     # A session of its own, so a timeout kills torchrun's workers too.
     proc = subprocess.Popen(
@@ -221,7 +243,8 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "logs" / f"{name}.log").write_text(output)
     lines = output.splitlines()
-    steps = [m.groupdict() for m in map(STEP.search, lines) if m]
+    pattern = TT_STEP if row.engine == "torchtitan" else STEP
+    steps = [m.groupdict() for m in map(pattern.search, lines) if m]
     measured = [s for s in steps if int(s["step"]) > row.warmup]
     row.measured_steps = len(measured)
     if measured:
@@ -244,7 +267,7 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
 
 def _same_setup(a: dict, b: dict) -> bool:
     keys = ("preset", "compile", "ac", "nproc", "tokens_per_step", "args_shape")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return all(a.get(k) == b.get(k) for k in keys) and a.get("engine", "kiln") == b.get("engine", "kiln")
 
 
 def _shape(row: dict) -> list[str]:
@@ -283,7 +306,8 @@ def md_line(r: dict) -> str:
     def f(v: float | None, spec: str, suffix: str = "") -> str:
         return "—" if v is None else format(v, spec) + suffix
 
-    row = row_id(r["precision"], r["compile"], r["ac"]) + (f" (nproc {r['nproc']})" if r["nproc"] > 1 else "")
+    row = row_id(r["precision"], r["compile"], r["ac"], r.get("engine", "kiln"))
+    row += f" (nproc {r['nproc']})" if r["nproc"] > 1 else ""
     if r.get("error") and not r.get("tps"):
         return f"| {r['preset']} | {row} | failed: {r['error']} | | | | | | | | | | {r['date']} |"
     share = r["blocks_ms"] / r["step_ms"] if r.get("blocks_ms") and r.get("step_ms") else None
@@ -317,7 +341,7 @@ def summary(out: Path) -> str:
     """All rows in `out`, latest per (preset, row, nproc), speedups recomputed against the final bf16 rows."""
     latest: dict[tuple, dict] = {}
     for r in load_rows(out):
-        latest[(r["preset"], r["precision"], r["compile"], r["ac"], r["nproc"])] = r
+        latest[(r.get("engine", "kiln"), r["preset"], r["precision"], r["compile"], r["ac"], r["nproc"])] = r
     rows = list(latest.values())
     for r in rows:
         r["speedup"] = r["blocks_speedup"] = None
@@ -361,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the rows (index and id) and exit")
     ap.add_argument("--summary", action="store_true", help="print the table of every row in --out and exit")
     ap.add_argument("--out", type=Path, default=None, help="results folder; default benchmarks/results/<preset>")
+    ap.add_argument("--engine", choices=["kiln", "torchtitan"], default="kiln", help="torchtitan: gpu_bundle's 0.2.2")
     ap.add_argument("extra", nargs="*", help="more train.py overrides, after --")
     a = ap.parse_args(argv)
     preset = dict(PRESETS[a.preset])
@@ -380,10 +405,17 @@ def main(argv: list[str] | None = None) -> int:
     for ac in acs:
         if ac not in AC:
             ap.error(f"unknown AC mode '{ac}'; choose from {', '.join(AC)}")
+    if a.engine == "torchtitan":
+        if not preset.get("torchtitan"):
+            ap.error(f"--engine torchtitan: preset {a.preset} has no torchtitan config; use llama3_8b_8l")
+        if not TORCHTITAN_RUN.exists():
+            ap.error(f"--engine torchtitan: {TORCHTITAN_RUN} missing; run scripts/prepare_gpu_run.py first")
+        if "tensorwise+fp8ag" in precisions or preset["nproc"] != 1:
+            ap.error("--engine torchtitan: one process, precisions bf16/tensorwise/rowwise/rowwise_with_gw_hp")
     matrix = [(p, c, ac) for c, ac, p in itertools.product(compiles, acs, precisions)]
     if a.list:
         for i, (p, c, ac) in enumerate(matrix):
-            print(f"{i:3}  {row_id(p, c, ac)}")
+            print(f"{i:3}  {row_id(p, c, ac, a.engine)}")
         return 0
     try:
         picked = select(matrix, a.rows)
@@ -395,15 +427,19 @@ def main(argv: list[str] | None = None) -> int:
     done = {
         (r["precision"], r["compile"], r["ac"])
         for r in load_rows(out)
-        if not r.get("error") and r["preset"] == a.preset and r["nproc"] == preset["nproc"]
+        if not r.get("error")
+        and r["preset"] == a.preset
+        and r["nproc"] == preset["nproc"]
+        and r.get("engine", "kiln") == a.engine
     }
     print(f"preset {a.preset}: {len(picked)} of {len(matrix)} rows -> {out}/results.jsonl, results.md", flush=True)
     for i in picked:
         precision, compile_, ac = matrix[i]
         if a.skip_done and (precision, compile_, ac) in done:
-            print(f"[{i}] {row_id(precision, compile_, ac)}: already in {out}, skipped", flush=True)
+            print(f"[{i}] {row_id(precision, compile_, ac, a.engine)}: already in {out}, skipped", flush=True)
             continue
         row = Row(a.preset, precision, compile_, ac, preset["nproc"], preset["warmup"], preset["steps"], tokens)
+        row.engine = a.engine
         record = append_row(out, run_one(row, preset, a.extra, out, preset["timeout"]))
         print(f"[{i}] {md_line(record)}", flush=True)
     print(f"\nall rows in {out}:\n{summary(out)}", end="")

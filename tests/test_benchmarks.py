@@ -109,3 +109,13 @@ def test_block_timer_times_forward_and_backward_of_measured_steps() -> None:
     assert all(f > 0 and b > 0 for f, b in timer.per_step)
     assert timer.summary().startswith("blocks: ") and "median of 2 steps" in timer.summary()
     assert run.BLOCKS.search(timer.summary())
+
+
+def test_torchtitan_step_line_parses() -> None:
+    """torchtitan 0.2.2's step line (components/metrics.py, colours off) as run.py reads it for --engine torchtitan."""
+    line = (
+        "[rank0]:[titan] 2026-11-23 12:00:00,000 - root - INFO - step:  5  loss:  7.12345  grad_norm:  1.2345  "
+        "memory: 40.12GiB(50.63%)  tps: 1,234  tflops: 321.23  mfu: 32.47%"
+    )
+    m = run.TT_STEP.search(line)
+    assert m and (m["step"], m["loss"], m["mem"], m["tps"], m["mfu"]) == ("5", "7.12345", "40.12", "1,234", "32.47%")
