@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from float8.converter import is_float8_linear
 from trainer.config import ConfigError, Float8
+from trainer.internals import fsdp_param_groups, fsdp_param_owner
 
 logger = logging.getLogger("kiln")
 
@@ -48,12 +49,11 @@ def _float8_all_gather_itemsizes(model: nn.Module) -> dict[str, int]:
     sizes: dict[str, int] = {}
     float8_modules = {id(m): n for n, m in model.named_modules() if is_float8_linear(m)}
     for module in model.modules():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
+        for group in fsdp_param_groups(module):
             for fsdp_param in group.fsdp_params:
-                info = fsdp_param._module_info
-                name = float8_modules.get(id(info.module))
-                if name is not None and info.param_name == "weight":  # after a full step: params are sharded
+                owner, param_name = fsdp_param_owner(fsdp_param)
+                name = float8_modules.get(id(owner))
+                if name is not None and param_name == "weight":  # after a full step: params are sharded
                     sizes[name] = min(t.element_size() for t in fsdp_param.all_gather_inputs)
     return sizes
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import ActivationCheckpoint
+from trainer.internals import checkpoint_wrapper, sac_op_output, tree_leaves
 
 aten = torch.ops.aten
 
@@ -52,7 +52,7 @@ class SACStats:
 
     def record(self, func: Any, policy: CheckpointPolicy, output: Any, args: tuple) -> None:
         if policy == CheckpointPolicy.MUST_SAVE:
-            leaves = torch.utils._pytree.tree_leaves(output)
+            leaves = tree_leaves(output)
             self.kept_bytes[func] += sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor))
         else:
             self.recomputed[func] += 1
@@ -79,7 +79,8 @@ def _sac_policy(stats: SACStats | None, save_list: frozenset[Any]) -> Callable[.
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         decision = decide(ctx, func)
         if stats is not None and not ctx.is_recompute:
-            stats.record(func, decision, ctx.op_output, args)
+            output = sac_op_output(ctx, func, args, kwargs) if decision == CheckpointPolicy.MUST_SAVE else None
+            stats.record(func, decision, output, args)
         return decision
 
     return policy

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from trainer.internals import FSDPAllGather, all_gather_single, float8_data, float8_ops_table, float8_with_data
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
-class Float8AsUint8AllGather(AllGather):
+class Float8AsUint8AllGather(FSDPAllGather):
     """FSDP2 all-gather that sends float8 buffers as uint8 (same bytes); other dtypes pass through."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,7 +41,7 @@ class Float8AsUint8AllGather(AllGather):
     ) -> dist.Work | None:
         if input_tensor.dtype in FLOAT8_DTYPES:
             output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def enable_float8_tp_on_cpu() -> None:
@@ -49,22 +50,20 @@ def enable_float8_tp_on_cpu() -> None:
     torchao dispatches `all_gather_into_tensor` on a Float8TrainingTensor through its op table; we wrap
     that entry. The wrapper only changes CPU tensors (which always go through gloo); CUDA is untouched.
     """
-    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor
-
+    table = float8_ops_table()
     # Both the legacy c10d_functional and the current _c10d_functional op are registered by torchao.
-    for op in [op for op in FLOAT8_OPS_TABLE if "all_gather_into_tensor" in str(op)]:
-        original = FLOAT8_OPS_TABLE[op]
+    for op in [op for op in table if "all_gather_into_tensor" in str(op)]:
+        original = table[op]
         if getattr(original, "_kiln_uint8_on_cpu", False):
             continue
 
         def all_gather_float8(aten_op: Any, args: tuple, kwargs: dict | None = None, _orig: Any = original) -> Any:
             fp8 = args[0]
-            if fp8._data.device.type != "cpu":
+            if float8_data(fp8).device.type != "cpu":
                 return _orig(aten_op, args, kwargs)
-            data = fp8._data.contiguous()
+            data = float8_data(fp8).contiguous()
             out = aten_op(data.view(torch.uint8), *args[1:], **(kwargs or {})).view(data.dtype)
-            return Float8TrainingTensor(out, fp8._scale, fp8._orig_dtype, fp8._linear_mm_config, fp8._gemm_input_role)
+            return float8_with_data(fp8, out)
 
         all_gather_float8._kiln_uint8_on_cpu = True
-        FLOAT8_OPS_TABLE[op] = all_gather_float8
+        table[op] = all_gather_float8

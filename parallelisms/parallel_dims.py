@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.args import ModelArgs, ffn_hidden_dim
 from trainer.config import ConfigError, Parallelism, Training
+from trainer.internals import flatten_mesh
 
 
 @dataclass
@@ -70,7 +71,7 @@ class ParallelDims:
             (self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
         )
-        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        self._dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
         self._mesh = mesh
         return mesh
 

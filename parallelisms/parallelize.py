@@ -5,6 +5,7 @@ Order matters and follows torchtitan: (float8 conversion happens before this) ->
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ from float8.converter import is_float8_linear
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.parallel_dims import ParallelDims
 from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training
+from trainer.internals import enable_emulate_precision_casts, enable_micro_pipeline_tp
+
+logger = logging.getLogger("kiln")
 
 
 def float8_tensorwise_tp(float8: Float8) -> bool:
@@ -85,14 +89,19 @@ def apply_tp(
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Overlap TP collectives with matmuls (inductor's micro-pipeline pass over symmetric memory; CUDA only)."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    enable_micro_pipeline_tp(tp_mesh.get_group().group_name)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each transformer block separately: blocks are identical, so one graph serves all."""
+def apply_compile(model: nn.Module, float8: Float8) -> None:
+    """Compile each transformer block separately: blocks are identical, so one graph serves all.
+
+    Float8 rowwise recipes also turn on inductor's emulate_precision_casts (process-wide), as torchtitan does:
+    without it inductor keeps bf16 intermediates of the rowwise casts in fp32, so compiled numerics differ
+    from eager (pytorch#150859).
+    """
+    if float8.enable_float8_linear and float8.recipe_name in ("rowwise", "rowwise_with_gw_hp"):
+        enable_emulate_precision_casts()
+        logger.info("float8 rowwise + compile: inductor emulate_precision_casts on (pytorch#150859)")
     for name, block in model.layers.named_children():
         compiled = torch.compile(block, fullgraph=True)
         # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
@@ -168,7 +177,7 @@ def parallelize_llama(
             enable_async_tp(tp_mesh)
     apply_ac(model, ac)
     if training.compile:
-        apply_compile(model)
+        apply_compile(model, float8)
     if parallel_dims.dp_enabled:
         apply_fsdp(model, parallel_dims, training, parallelism, float8)
     return tp_plan

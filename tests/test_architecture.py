@@ -11,7 +11,8 @@
     8 trainer.tools                           (dry run, saved-activation report, profiling, guards)
     9 trainer.hooks                           (the train loop's step hooks)
    10 trainer.train                           (the Trainer)
-   11 train.py, scripts, benchmarks           (entry points)
+   11 train.py, benchmarks                   (entry points)
+   12 scripts                                (tools that may drive the entry points, e.g. the GPU bundle check)
 
 Imports inside functions count too: a lazy import is still a dependency. docs/architecture.md explains the layers.
 """
@@ -38,7 +39,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer.tools",),
     ("trainer.hooks",),
     ("trainer.train",),
-    ("train", "scripts", "benchmarks"),
+    ("train", "benchmarks"),
+    ("scripts",),
 ]
 KILN_TOP = {"trainer", "models", "float8", "parallelisms", "train", "scripts", "benchmarks"}
 

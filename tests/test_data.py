@@ -180,3 +180,27 @@ def test_prefetch_gives_same_batches_and_exact_state(prefetch: int) -> None:
     resumed.close()
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_pinned_batches_are_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With local batch > 1, inputs and labels are slices of one (batch, seq + 1) tensor: not contiguous. A
+    non-contiguous pinned tensor is staged through pageable memory on its way to the GPU, so the trainer's
+    non_blocking copy would block. What gets pinned, and what is handed out, must be contiguous. (No GPU here:
+    pin_memory is replaced by a recorder that returns the tensor.)"""
+    pinned: list[bool] = []
+
+    def fake_pin(t: torch.Tensor) -> torch.Tensor:
+        pinned.append(t.is_contiguous())
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    cfg = Training(seq_len=32, local_batch_size=4, data_prefetch=0)
+    dl = build_dataloader(cfg, TOKENIZER, 0, 1, pin_memory=True)
+    try:
+        inputs, labels = next(dl)
+    finally:
+        dl.close()
+    assert inputs.shape == labels.shape == (4, 32)
+    assert inputs.is_contiguous() and labels.is_contiguous()
+    assert pinned == [True, True]
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])  # still the same windows, shifted by one

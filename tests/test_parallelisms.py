@@ -498,3 +498,29 @@ def test_tp_compile_without_fsdp_is_accepted() -> None:
     compiled = Training(seq_len=32, compile=True)
     for device_type in ("cpu", "cuda"):  # the torch bug it once hit is worked around in apply_compile
         validate_parallelism(_dims(tp=2), ARGS, compiled, Parallelism(), device_type)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "compile", "expected"),
+    [
+        ("rowwise", True, True),
+        ("rowwise_with_gw_hp", True, True),
+        ("tensorwise", True, False),
+        ("rowwise", False, False),
+    ],
+)
+def test_rowwise_compile_turns_on_emulate_precision_casts(
+    monkeypatch: pytest.MonkeyPatch, recipe: str, compile: bool, expected: bool
+) -> None:
+    """Building a float8 rowwise model with compile (the one build path, here through the dry run) sets inductor's
+    emulate_precision_casts (pytorch#150859, as torchtitan does); tensorwise or eager leave it alone."""
+    import torch._inductor.config as inductor_config
+
+    from trainer.config import parse_args
+    from trainer.internals import emulate_precision_casts_enabled
+    from trainer.tools.dry_run import dry_run
+
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)  # process-wide: restored after
+    argv = tiny_run_args("--job.dry_run", "--float8.enable_float8_linear", "--float8.recipe_name", recipe)
+    dry_run(parse_args(argv + (["--training.compile"] if compile else [])))
+    assert emulate_precision_casts_enabled() is expected

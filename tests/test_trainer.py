@@ -16,6 +16,8 @@ import trainer.components.metrics as metrics_module
 from tests.common import DEBUG_CONFIG, open_trainer, run_trainer
 from trainer.components.metrics import format_step_line, peak_flops
 from trainer.components.optim import lr_factor
+from trainer.config import parse_args
+from trainer.hooks import compiling_steps
 from trainer.train import Trainer
 
 STEP_LINE = re.compile(
@@ -234,3 +236,84 @@ def test_step_line_shape_and_peak_table() -> None:
     cpu = peak_flops(torch.device("cpu"), None)
     assert cpu.bf16 is None
     assert peak_flops(torch.device("cpu"), 989.0).bf16 == 989e12
+
+
+def test_compiling_steps() -> None:
+    """The steps that keep the long collective timeout: warm-up, and each graph's first compiled step."""
+    assert compiling_steps(0, compile=False, eager_first_step=True, sqnr_freq=10) == {1}  # eager: warm-up only
+    assert compiling_steps(0, compile=True, eager_first_step=False, sqnr_freq=0) == {1}
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=0) == {1, 2}  # float8 check: eager 1
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=10) == {1, 2, 10}
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=2) == {1, 2, 3}
+    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=1) == {1, 2}  # every step measures
+    assert compiling_steps(7, compile=True, eager_first_step=True, sqnr_freq=4) == {8, 9, 12}  # resumed at 7
+
+
+def test_collective_timeout_is_long_while_steps_may_compile(tmp_path: Path) -> None:
+    """float8 + compile: step 1 runs eagerly (float8 check), step 2 compiles, so both keep the init timeout; the
+    short one starts at step 3. Read back from the process group itself."""
+    from trainer.hooks import CollectiveTimeoutHook
+    from trainer.internals import pg_timeout
+
+    cfg = parse_args(
+        ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), *BASE, "--training.compile"]
+        + ["--float8.enable_float8_linear", "--comm.init_timeout_seconds", "77", "--comm.train_timeout_seconds", "11"]
+    )
+    trainer = Trainer(cfg)
+    hooks = trainer.build_hooks()
+    try:
+        (hook,) = [h for h in hooks if isinstance(h, CollectiveTimeoutHook)]
+        seen = [pg_timeout().total_seconds()]
+        for step in (1, 2, 3, 4):
+            hook.pre_step(step)
+            seen.append(pg_timeout().total_seconds())
+        assert seen == [77, 77, 77, 11, 11]
+    finally:
+        for h in hooks:
+            h.close()
+        trainer.close()
+
+
+def test_peak_table_matches_the_most_specific_gpu_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H200 NVL (PCIe, 600 W) is slower than the H200 SXM: its own row must win over the plain 'H200' one."""
+    cuda = torch.device("cuda", 0)
+    for name, bf16, fp8 in [
+        ("NVIDIA H200 NVL", 835.5e12, 1670.5e12),
+        ("NVIDIA H200", 989e12, 1979e12),
+        ("NVIDIA H100 80GB HBM3", 989e12, 1979e12),
+        ("NVIDIA H100 NVL", 835e12, 1671e12),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        peak = peak_flops(cuda, None)
+        assert (peak.bf16, peak.float8, peak.source) == (bf16, fp8, name)
+
+
+def test_loss_is_compiled_with_the_model(tmp_path: Path) -> None:
+    """training.compile compiles the loss too (no (tokens x vocab) fp32 transients; docs/performance.md)."""
+    from trainer.components.loss import cross_entropy_loss
+
+    for compile, compiled_loss in ((False, False), (True, True)):
+        cfg = parse_args(["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), *BASE])
+        cfg.training.compile = compile
+        trainer = Trainer(cfg)
+        try:
+            assert (trainer.loss_fn is not cross_entropy_loss) is compiled_loss
+            assert (getattr(trainer.loss_fn, "__wrapped__", None) is cross_entropy_loss) is compiled_loss
+        finally:
+            trainer.close()
+
+
+@pytest.mark.slow
+def test_compiled_loss_matches_eager() -> None:
+    from trainer.components.loss import build_loss_fn, cross_entropy_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16, 1000, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 16))
+    eager = cross_entropy_loss(logits, labels)
+    (grad_eager,) = torch.autograd.grad(eager, logits)
+    compiled = build_loss_fn(compile=True)(logits, labels)
+    (grad_compiled,) = torch.autograd.grad(compiled, logits)
+    assert compiled.dtype == torch.float32
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_compiled, grad_eager)

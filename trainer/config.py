@@ -280,8 +280,8 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _f(300, "Timeout for process-group initialisation and the first step.", valid=TIMEOUT)
-    train_timeout_seconds: int = _f(100, "Collective timeout after the first step.", valid=TIMEOUT)
+    init_timeout_seconds: int = _f(300, "Timeout for process-group init and the steps that may compile.", valid=TIMEOUT)
+    train_timeout_seconds: int = _f(100, "Collective timeout of every other step.", valid=TIMEOUT)
 
 
 @dataclass

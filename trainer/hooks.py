@@ -104,6 +104,8 @@ class SQNRHook(StepHook):
     def post_step(self, out: StepOutput) -> None:
         if self.monitor.active and self.is_logging_rank:
             self.monitor.log(out.step)
+        elif self.monitor.active:
+            self.monitor.clear()  # other ranks measured too (collectives); drop the values
 
     def close(self) -> None:
         self.monitor.remove()
@@ -152,15 +154,40 @@ class CheckpointHook(StepHook):
         self.checkpointer.maybe_save(out.step, last=out.last)
 
 
+def compiling_steps(start_step: int, compile: bool, eager_first_step: bool, sqnr_freq: int) -> set[int]:
+    """The steps that may compile or warm up for minutes, while other ranks wait in a collective.
+
+    Always the run's first step (warm-up; the compile too when nothing forces it eager). With compile, the first
+    compiled step: the one after, when the float8 check runs the first step eagerly. With float8 SQNR the
+    compiled blocks have two graphs, the measuring one on SQNR steps and the plain one on the others: the first
+    compiled step of each compiles.
+    """
+    steps = {start_step + 1}
+    if not compile:
+        return steps
+    first = start_step + (2 if eager_first_step else 1)
+    if not sqnr_freq:
+        return steps | {first}
+    steps.add(-(-first // sqnr_freq) * sqnr_freq)  # the first SQNR step
+    if sqnr_freq > 1:
+        steps.add(first if first % sqnr_freq else first + 1)  # the first plain step
+    return steps
+
+
 class CollectiveTimeoutHook(StepHook):
-    """The first steps may compile and warm up for minutes; after them, a hung collective should fail fast."""
+    """Steps that may compile (see `compiling_steps`) keep the long initialisation timeout; all others run under
+    the short training timeout, so a hung collective fails fast. The timeout is set before each step's first
+    collective, and only when it changes."""
 
-    def __init__(self, after_step: int, seconds: int) -> None:
-        self.after_step, self.seconds = after_step, seconds
+    def __init__(self, long_steps: set[int], long_seconds: int, short_seconds: int) -> None:
+        self.long_steps, self.long, self.short = long_steps, long_seconds, short_seconds
+        self.current = long_seconds  # the process group starts with the initialisation timeout
 
-    def post_step(self, out: StepOutput) -> None:
-        if out.step == self.after_step:
-            set_collective_timeout(self.seconds)
+    def pre_step(self, step: int) -> None:
+        seconds = self.long if step in self.long_steps else self.short
+        if seconds != self.current:
+            set_collective_timeout(seconds)
+            self.current = seconds
 
 
 class StopRequestHook(StepHook):

@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -27,6 +26,7 @@ from trainer.components.checkpoint import CheckpointManager, step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import build_dataloader, dataset_fingerprint
 from trainer.components.dist import init_distributed, set_determinism
+from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume, file_sha256, training_settings
@@ -46,6 +46,7 @@ from trainer.hooks import (
     StepOutput,
     StopHook,
     StopRequestHook,
+    compiling_steps,
 )
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
@@ -110,6 +111,7 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
+        self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
 
         self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -170,7 +172,7 @@ class Trainer:
         """Forward and fp32 cross-entropy of one micro-batch."""
         with self.amp:
             logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return self.loss_fn(logits, labels)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
@@ -250,7 +252,11 @@ class Trainer:
             NonFiniteHook(self.nan_guard, must_check, self.checkpointer.folder),  # before metrics and saves
             metrics,
             CheckpointHook(self.checkpointer),
-            CollectiveTimeoutHook(self.step + 1, cfg.comm.train_timeout_seconds),
+            CollectiveTimeoutHook(
+                compiling_steps(self.step, cfg.training.compile, self.float8 is not None, cfg.float8.sqnr_log_freq),
+                cfg.comm.init_timeout_seconds,
+                cfg.comm.train_timeout_seconds,
+            ),
             StopHook(stop, self.checkpointer, cfg.training.steps),  # last: saves and raises TrainingStopped
         ]
         return hooks

@@ -55,6 +55,7 @@ from trainer.components.checkpoint_folder import (
 from trainer.components.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, load_metadata
 from trainer.config import Checkpoint
 from trainer.errors import CheckpointError
+from trainer.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner
 
 logger = logging.getLogger("kiln")
 
@@ -90,14 +91,13 @@ def plain_tensor(t: Any) -> Any:
     In-place loads into the unwrapped tensor write the wrapped parameter's storage.
     """
     if isinstance(t, DTensor):
-        local = t._local_tensor
+        local = dtensor_local_tensor(t)
         inner = plain_tensor(local)
         if inner is local:
             return t
         return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "_tensor"):
-        return t._tensor
-    return t
+    inner = float8_weight_inner(t)
+    return t if inner is None else inner
 
 
 class IncompleteCheckpointError(CheckpointError):
@@ -138,8 +138,6 @@ def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: b
     """Raise CheckpointError if checkpoint `path` cannot fill state dict `ours`: other model shape or state keys.
 
     The data-loader position is global (the same on every rank), so any data-parallel layout resumes it."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
     flat, _ = flatten_state_dict(ours)
     saved = md.state_dict_metadata
     where = f"checkpoint {path}"

@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.internals import set_pg_timeout
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -41,9 +43,9 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """After the first step (compile, warm-up) collectives should be fast; fail hung jobs sooner."""
+    """Set the world's collective timeout: long while steps may compile, short after (trainer/hooks.py)."""
     if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+        set_pg_timeout(seconds)
 
 
 def set_determinism(seed: int | None, deterministic: bool) -> None:

@@ -26,6 +26,7 @@ from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
 from trainer.build import build_model
 from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training
+from trainer.internals import init_fake_process_group, unwrapped_fqn
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
 
@@ -130,10 +131,8 @@ def memory_estimate(
 
 
 def _init_fake_world(world_size: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     assert not dist.is_initialized(), "the dry run simulates its own world; call it before any process group"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    init_fake_process_group(world_size)
 
 
 def dry_run(cfg: JobConfig) -> str:
@@ -180,7 +179,7 @@ def dry_run(cfg: JobConfig) -> str:
 
 def _unwrapped_name(name: str) -> str:
     """A module's FQN without the AC and compile wrappers' path components."""
-    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+    return unwrapped_fqn(name)
 
 
 def _order(row: tuple[str, str, int]) -> tuple[bool, str]:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from trainer.config import Profiling
+from trainer.internals import cuda_memory_snapshot, start_cuda_memory_history, stop_cuda_memory_history
 
 logger = logging.getLogger("kiln")
 
@@ -68,14 +69,14 @@ class MemorySnapshot:
 
     def __init__(self, folder: str, rank: int, freq: int, step: int) -> None:
         self.folder, self.rank, self.freq, self.step_num = folder, rank, freq, step
-        torch.cuda.memory._record_memory_history(max_entries=MAX_SNAPSHOT_ENTRIES)
+        start_cuda_memory_history(MAX_SNAPSHOT_ENTRIES)
 
     def dump(self, tag: str) -> str:
         folder = os.path.join(self.folder, tag)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
         with open(path, "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+            pickle.dump(cuda_memory_snapshot(), f)
         logger.info(f"CUDA memory snapshot saved to {path} (view at https://pytorch.org/memory_viz)")
         return path
 
@@ -110,4 +111,4 @@ def maybe_enable_memory_snapshot(
         snapshot.dump(f"iteration_{snapshot.step_num + 1}_exit_oom")
         raise
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        stop_cuda_memory_history()

@@ -20,16 +20,22 @@ activations. Everything here is per rank.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from trainer.internals import (
+    OpOverload,
+    TorchDispatchMode,
+    capture_sac_caches,
+    is_traceable_wrapper_subclass,
+    sac_cached_tensors,
+    tensor_base,
+    tree_leaves,
+)
 
 logger = logging.getLogger("kiln")
 
@@ -69,7 +75,7 @@ class SavedActivationReport:
         return "\n".join(lines)
 
 
-def _op_name(func: torch._ops.OpOverload) -> str:
+def _op_name(func: OpOverload) -> str:
     name = str(func)
     return name[: -len(".default")] if name.endswith(".default") else name
 
@@ -114,34 +120,6 @@ class _ProducerMode(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def _capture_sac_caches() -> Iterator[list]:
-    """Collect every per-op SAC caching mode created inside the block (their `.storage` holds what SAC saves)."""
-    cls = torch_checkpoint._CachingTorchDispatchMode
-    original_init = cls.__init__
-    modes: list = []
-
-    def init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        original_init(self, *args, **kwargs)
-        modes.append(self)
-
-    cls.__init__ = init
-    try:
-        yield modes
-    finally:
-        cls.__init__ = original_init
-
-
-def _sac_cached_tensors(modes: list) -> Iterator[torch.Tensor]:
-    for mode in modes:
-        for entries in mode.storage.values():
-            for entry in entries.values():
-                for w in tree_leaves(entry):
-                    val = getattr(w, "val", None)  # _VersionWrapper; _RECOMPUTE markers have none
-                    if isinstance(val, torch.Tensor):
-                        yield val
-
-
 def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tensor]) -> SavedActivationReport:
     """Run `forward()` (returns a scalar loss) and its backward once; report what was kept in between.
 
@@ -157,7 +135,7 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
     params = {_storage_key(p) for q in model.parameters() for p in _plain_tensors(q.detach())}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # incl. FSDP's unsharded params
+        if isinstance(t, nn.Parameter) or isinstance(tensor_base(t), nn.Parameter):  # incl. FSDP's unsharded params
             params.update(_storage_key(p) for p in _plain_tensors(t.detach()))
         keep(t)
         return t
@@ -173,9 +151,9 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
     producer_mode = _ProducerMode()
     try:
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with _capture_sac_caches() as sac_modes, producer_mode, hooks:
+        with capture_sac_caches() as sac_modes, producer_mode, hooks:
             loss = forward()
-        for t in _sac_cached_tensors(sac_modes):
+        for t in sac_cached_tensors(sac_modes):
             keep(t)
     finally:
         for h in handles:

@@ -1,0 +1,121 @@
+"""benchmarks/run.py (row selection, per-row JSONL/markdown, speedups, timeouts) and benchmarks/row.py's block timer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from benchmarks import run
+from benchmarks.row import BlockTimer
+from trainer.hooks import StepOutput
+
+MATRIX = [("bf16", True, "op"), ("tensorwise", True, "op"), ("rowwise", True, "op")]
+
+
+def test_rows_select_by_index_range_and_id() -> None:
+    assert run.select(MATRIX, None) == [0, 1, 2]
+    assert run.select(MATRIX, "2,0-1") == [2, 0, 1]
+    assert run.select(MATRIX, "rowwise/compile/ac-op,0") == [2, 0]
+    with pytest.raises(ValueError, match="out of range 0-2"):
+        run.select(MATRIX, "3")
+    with pytest.raises(ValueError, match="not an index, a range or one of"):
+        run.select(MATRIX, "rowwise")
+
+
+def _row(precision: str, tps: float, blocks_ms: float, error: str | None = None) -> run.Row:
+    row = run.Row("p", precision, True, "op", 1, 2, 4, tokens_per_step=8192, tps=tps, blocks_ms=blocks_ms)
+    row.step_ms, row.measured_steps, row.error = 1e3 * 8192 / tps, 4, error
+    row.args = ["--model.n_layers", "8", "--training.seq_len", "8192", "--float8.recipe_name", precision]
+    return row
+
+
+def test_rows_are_appended_one_by_one_with_speedups(tmp_path: Path) -> None:
+    first = run.append_row(tmp_path, _row("tensorwise", 1200.0, 600.0))  # before its bf16 baseline: no speedup
+    assert first["speedup"] is None
+    run.append_row(tmp_path, _row("bf16", 1000.0, 800.0))
+    third = run.append_row(tmp_path, _row("rowwise", 1100.0, 640.0))
+    assert third["speedup"] == pytest.approx(1.1) and third["blocks_speedup"] == pytest.approx(1.25)
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["precision"] for r in records] == ["tensorwise", "bf16", "rowwise"]
+    md = (tmp_path / "results.md").read_text().splitlines()
+    assert md[0].startswith("| preset | row |") and len(md) == 2 + 3
+    assert "| p | rowwise/compile/ac-op | 1,100 |" in md[-1] and "| 1.10x | 1.25x |" in md[-1]
+    # The summary recomputes every speedup against the final bf16 row: the early tensorwise row gets its own.
+    summary = run.summary(tmp_path)
+    assert "| p | tensorwise/compile/ac-op | 1,200 |" in summary and "| 1.20x | 1.33x |" in summary
+
+
+def test_another_shape_is_not_a_baseline(tmp_path: Path) -> None:
+    run.append_row(tmp_path, _row("bf16", 1000.0, 800.0))
+    other = _row("rowwise", 1100.0, 640.0)
+    other.args[1] = "4"  # 4 layers: not comparable with the 8-layer bf16 row
+    assert run.append_row(tmp_path, other)["speedup"] is None
+
+
+def test_a_row_that_times_out_is_killed_and_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-row timeout kills the row's whole process group and keeps what it measured."""
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import time\n"
+        "print('step:  1  loss:  8.0000  memory:  0.10GiB(1.00%)  tps: 100  mfu: n/a', flush=True)\n"
+        "print('step:  2  loss:  7.0000  memory:  0.20GiB(2.00%)  tps: 200  mfu: n/a', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(run, "train_args", lambda *a: [])
+    popen = run.subprocess.Popen
+
+    def fake_popen(cmd: list[str], **kw: object) -> object:
+        return popen([cmd[0], str(script)], **kw)
+
+    monkeypatch.setattr(run.subprocess, "Popen", fake_popen)
+    row = run.Row("p", "bf16", False, "none", 1, warmup=1, steps=3, tokens_per_step=100)
+    t0 = time.perf_counter()
+    out = run.run_one(row, run.PRESETS["tiny"], [], tmp_path, timeout=5)
+    assert time.perf_counter() - t0 < 40
+    assert out.error == "timeout after 5 s (1 of 3 measured steps)"
+    assert (out.tps, out.memory_gib, out.final_loss, out.step_ms) == (200.0, 0.2, 7.0, 500.0)
+    assert "tps: 200" in (tmp_path / "logs" / "bf16_eager_ac-none.log").read_text()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+def test_block_timer_times_forward_and_backward_of_measured_steps() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": _Block(), "1": _Block()})
+    emb = nn.Linear(64, 64)  # the step's part before the blocks: its output requires grad
+    timer = BlockTimer(model, warmup=1, cuda=False)
+    for step in (1, 2, 3):
+        timer.pre_step(step)
+        for _micro in range(2):  # gradient accumulation: both micro-batches count
+            h = emb(torch.randn(256, 64))
+            for block in model.layers.values():
+                h = block(h)
+            h.square().mean().backward()
+        timer.post_step(StepOutput(step, step == 3, torch.zeros(()), torch.zeros(()), 0.0))
+    timer.close()
+    assert len(timer.per_step) == 2  # step 1 is warm-up
+    assert all(f > 0 and b > 0 for f, b in timer.per_step)
+    assert timer.summary().startswith("blocks: ") and "median of 2 steps" in timer.summary()
+    assert run.BLOCKS.search(timer.summary())
+
+
+def test_torchtitan_step_line_parses() -> None:
+    """torchtitan 0.2.2's step line (components/metrics.py, colours off) as run.py reads it for --engine torchtitan."""
+    line = (
+        "[rank0]:[titan] 2026-11-23 12:00:00,000 - root - INFO - step:  5  loss:  7.12345  grad_norm:  1.2345  "
+        "memory: 40.12GiB(50.63%)  tps: 1,234  tflops: 321.23  mfu: 32.47%"
+    )
+    m = run.TT_STEP.search(line)
+    assert m and (m["step"], m["loss"], m["mem"], m["tps"], m["mfu"]) == ("5", "7.12345", "40.12", "1,234", "32.47%")

@@ -1,0 +1,317 @@
+"""Every use of private torch and torchao internals in kiln, in one place.
+
+A private API (`torch.x._y`, `tensor._field`, a module path with an underscore) can change in any release
+without notice. Keeping each use here, behind a small named function, means a torch upgrade breaks one
+module whose tests (tests/test_internals.py) exercise every function and fail loudly; the rest of kiln calls
+these functions and never touches the internals itself (tests/test_internals.py also scans the source tree
+for private uses outside this file).
+
+Supported range: torch 2.11 (the GPU image's torch, and the oldest kiln supports) to 2.13 (the CPU
+development image), torchao 0.18. Each function's docstring says where its behaviour differs between them
+("checked on" lists the versions whose source and tests it was verified against). Where torch renamed or
+reshaped something between 2.11 and 2.13, the function detects the feature (never the version string) and
+handles both.
+
+Aten op names with an underscore (`aten._scaled_mm`, `aten._scaled_dot_product_flash_attention`) are operator
+identifiers in the dispatcher's registry, not Python internals: they stay where they are used.
+
+Layer 2 of the import contract (tests/test_architecture.py): this module imports torch, and torchao lazily
+inside the functions that need it; nothing from kiln.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# Re-exported: these live only under private module paths. Checked on torch 2.11.0, 2.13.0.
+from torch._ops import OpOverload  # the type of `torch.ops.aten.mm.default`
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # set_custom_all_gather's base
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["FSDPAllGather", "OpOverload", "TorchDispatchMode", "is_traceable_wrapper_subclass", "tree_leaves"]
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def tensor_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (`Tensor._base`), or None. Checked on torch 2.11.0, 2.13.0."""
+    return t._base
+
+
+# ----------------------------------------------------------------------------- module wrappers
+
+# The child-module names torch's wrappers insert into FQNs: checkpoint_wrapper's (torch.distributed.algorithms.
+# _checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE) and torch.compile's OptimizedModule (`_orig_mod`).
+_WRAPPER_FQN_PARTS = ("._checkpoint_wrapped_module", "._orig_mod")
+
+
+def unwrapped_fqn(name: str) -> str:
+    """A module FQN without the activation-checkpoint and compile wrappers' components.
+
+    Checked on torch 2.11.0, 2.13.0 (both use `_checkpoint_wrapped_module` and `_orig_mod`).
+    """
+    for part in _WRAPPER_FQN_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+
+def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """torch's non-reentrant activation-checkpoint wrapper module (what torchtitan uses per block).
+
+    Checked on torch 2.11.0, 2.13.0 (torch.distributed.algorithms._checkpoint.checkpoint_wrapper).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, **kwargs)
+
+
+def sac_op_output(ctx: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """The output of the op a per-op SAC policy is deciding on.
+
+    torch 2.13 runs the op first and passes it as `ctx.op_output`; torch 2.11 calls the policy before the
+    op runs and its context has no `op_output`, so the output is derived on fake tensors (shapes, dtypes and
+    so `nbytes` are exact; no memory, no compute, no collective). Only measurement code (SACStats) asks.
+    Checked on torch 2.11.0 (fake path), 2.13.0 (`op_output`).
+    """
+    if hasattr(ctx, "op_output"):
+        return ctx.op_output
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def capture_sac_caches() -> Iterator[list[Any]]:
+    """Collect every per-op SAC caching mode (`torch.utils.checkpoint._CachingTorchDispatchMode`) created inside.
+
+    Their `.storage` holds what SAC keeps for backward; read it with `sac_cached_tensors` before backward
+    consumes it. Checked on torch 2.11.0, 2.13.0 (the class and its `__init__` storing `.storage`).
+    """
+    import torch.utils.checkpoint as torch_checkpoint
+
+    cls = torch_checkpoint._CachingTorchDispatchMode
+    original_init = cls.__init__
+    modes: list[Any] = []
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        modes.append(self)
+
+    cls.__init__ = init
+    try:
+        yield modes
+    finally:
+        cls.__init__ = original_init
+
+
+def sac_cached_tensors(modes: list[Any]) -> Iterator[torch.Tensor]:
+    """The tensors held in the storage of SAC caching modes (from `capture_sac_caches`).
+
+    torch 2.11 keeps `storage[func] = [outputs, ...]` (a list per op, popped in backward); torch 2.13 keeps
+    `storage[key] = {index: outputs | marker}`. Outputs are trees of `_VersionWrapper` whose `.val` is the
+    tensor; the recompute/consumed markers have none. Checked on torch 2.11.0 (lists), 2.13.0 (dicts).
+    """
+    for mode in modes:
+        for entries in mode.storage.values():
+            for entry in entries.values() if isinstance(entries, dict) else entries:
+                for w in tree_leaves(entry):
+                    val = getattr(w, "val", None)
+                    if isinstance(val, torch.Tensor):
+                        yield val
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups `fully_shard(module)` created (empty for a module that is not an FSDP root).
+
+    torch 2.13 keeps a list `state._fsdp_param_groups` (grouped `fully_shard([a, b])`); torch 2.11 a single
+    `state._fsdp_param_group` (or None). Checked on torch 2.11.0, 2.13.0.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    state = get_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def fsdp_param_owner(fsdp_param: Any) -> tuple[nn.Module, str]:
+    """(module, attribute name) of the parameter an FSDPParam manages. Checked on torch 2.11.0, 2.13.0."""
+    info = fsdp_param._module_info
+    return info.module, info.param_name
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
+    """All-gather `input` from every rank into the flat `output`.
+
+    torch 2.13 names it `dist.all_gather_single` and deprecates `dist.all_gather_into_tensor` (FutureWarning);
+    torch 2.11 has only `all_gather_into_tensor`. Checked on torch 2.11.0, 2.13.0.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+# ----------------------------------------------------------------------------- DTensor, device mesh, process groups
+
+
+def dtensor_local_tensor(t: Any) -> torch.Tensor:
+    """The local shard object a DTensor wraps, itself (not `to_local()`'s autograd view of it).
+
+    Checked on torch 2.11.0, 2.13.0 (`DTensor._local_tensor`).
+    """
+    return t._local_tensor
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D mesh over all dimensions of `mesh` (e.g. dp_replicate x dp_shard -> dp), registered as `name`.
+
+    Checked on torch 2.11.0, 2.13.0 (`DeviceMesh._flatten(mesh_dim_name=...)`).
+    """
+    return mesh._flatten(mesh_dim_name=name)
+
+
+def set_pg_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
+    """Change the timeout of an initialised process group (default: the world). Checked on torch 2.11.0, 2.13.0."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def pg_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """The current timeout of a process group's CPU backend (gloo). Checked on torch 2.11.0, 2.13.0."""
+    group = group or dist.group.WORLD
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """A process group of `world_size` simulated ranks in this one process; collectives do nothing.
+
+    Checked on torch 2.11.0, 2.13.0 (torch.testing._internal.distributed.fake_pg.FakeStore, backend "fake").
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """DCP's flattening of a nested state dict into dotted keys, and the mapping back.
+
+    Checked on torch 2.11.0, 2.13.0 (torch.distributed.checkpoint._nested_dict.flatten_state_dict).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state)
+
+
+# ----------------------------------------------------------------------------- CUDA memory snapshots
+
+
+def start_cuda_memory_history(max_entries: int) -> None:
+    """Record CUDA allocations with stack traces. Checked on torch 2.11.0, 2.13.0 (signature only: no GPU)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def stop_cuda_memory_history() -> None:
+    """Checked on torch 2.11.0, 2.13.0 (signature only: no GPU)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_snapshot() -> dict[str, Any]:
+    """The allocator's state and recorded history (pickle it for pytorch.org/memory_viz).
+
+    Checked on torch 2.11.0, 2.13.0 (signature only: no GPU).
+    """
+    return torch.cuda.memory._snapshot()
+
+
+# ----------------------------------------------------------------------------- inductor
+
+
+def enable_micro_pipeline_tp(group_name: str) -> None:
+    """Async TP: inductor's micro-pipeline pass over symmetric memory for the TP group (CUDA only).
+
+    Checked on torch 2.11.0, 2.13.0 (`torch._inductor.config._micro_pipeline_tp`, `enable_symm_mem_for_group`).
+    """
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(group_name)
+
+
+def enable_emulate_precision_casts() -> None:
+    """Make inductor round intermediates to their eager dtype (bf16) as eager does (pytorch#150859).
+
+    Without it, compiled float8 rowwise keeps some bf16 intermediates in fp32 and its numerics (and speed)
+    drift from eager; torchtitan sets it for rowwise + compile. Process-wide, like every inductor config.
+    Checked on torch 2.11.0, 2.13.0 (`torch._inductor.config.emulate_precision_casts`, default False).
+    """
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+
+
+def emulate_precision_casts_enabled() -> bool:
+    """Checked on torch 2.11.0, 2.13.0."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.emulate_precision_casts)
+
+
+# ----------------------------------------------------------------------------- torchao float8 tensors
+
+
+def float8_weight_inner(t: Any) -> torch.Tensor | None:
+    """The high-precision tensor inside torchao's FSDP float8 weight wrapper (WeightWithDynamicFloat8CastTensor
+    and its delayed/static siblings keep it as `_tensor`), or None for any other tensor.
+
+    Checked on torchao 0.18.0.
+    """
+    if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter):
+        inner = getattr(t, "_tensor", None)
+        if isinstance(inner, torch.Tensor):
+            return inner
+    return None
+
+
+def float8_data(fp8: Any) -> torch.Tensor:
+    """The raw float8 payload of a torchao Float8TrainingTensor (`_data`). Checked on torchao 0.18.0."""
+    return fp8._data
+
+
+def float8_with_data(fp8: Any, data: torch.Tensor) -> Any:
+    """A Float8TrainingTensor like `fp8` (scale, dtype, mm config, role, axis) holding `data` instead.
+
+    Goes through the subclass's own flatten/unflatten, so metadata torchao adds later travels too.
+    Checked on torchao 0.18.0 (inner tensors `_data`, `_scale`).
+    """
+    names, meta = fp8.__tensor_flatten__()
+    inner = {n: getattr(fp8, n) for n in names}
+    inner["_data"] = data
+    return type(fp8).__tensor_unflatten__(inner, meta, data.size(), data.stride())
+
+
+def float8_ops_table() -> dict[Any, Any]:
+    """torchao's dispatch table for Float8TrainingTensor (op -> handler), editable in place.
+
+    Checked on torchao 0.18.0 (torchao.float8.float8_ops.FLOAT8_OPS_TABLE).
+    """
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+    return FLOAT8_OPS_TABLE
