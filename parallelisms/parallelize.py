@@ -119,11 +119,9 @@ def wait_async_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tu
     upstream by pytorch/pytorch#191113). `wait_tensor` is differentiable and costs nothing extra: the block's
     first op would wait for the collective anyway. FSDP's pre-forward hook used to hide this by rewrapping inputs.
     """
-    import torch.distributed._functional_collectives as funcol
+    from trainer.internals import wait_if_async_collective
 
-    if not any(isinstance(a, funcol.AsyncCollectiveTensor) for a in args):
-        return args
-    return tuple(funcol.wait_tensor(a) if isinstance(a, funcol.AsyncCollectiveTensor) else a for a in args)
+    return tuple(wait_if_async_collective(a) for a in args)
 
 
 def apply_fsdp(

@@ -315,3 +315,25 @@ def float8_ops_table() -> dict[Any, Any]:
     from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
 
     return FLOAT8_OPS_TABLE
+
+
+# ----------------------------------------------------------------------------- functional collectives
+
+
+def wait_if_async_collective(t: Any) -> Any:
+    """An AsyncCollectiveTensor waited with the differentiable `wait_tensor` (autograd edge kept); else `t`.
+
+    torch.distributed._functional_collectives is private; checked on torch 2.11 and 2.13 (parallelisms/parallelize.py
+    uses it for TP blocks under compile: see wait_async_collective_inputs there).
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+# ----------------------------------------------------------------------------- LR scheduler
+
+
+def set_scheduler_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """What `get_last_lr()` reports (torch keeps it in the private `_last_lr`; checked on torch 2.11 and 2.13)."""
+    scheduler._last_lr = list(lrs)

@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from models import ModelArgs
 from trainer.config import JobConfig
 from trainer.errors import CheckpointError
+from trainer.internals import set_scheduler_last_lr
 
 # Keys whose change makes the checkpoint meaningless for this run, with the reason given to the user.
 REFUSED = {
@@ -130,5 +131,5 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: La
         group.update(hyper)
         group["initial_lr"] = base_lr
         group["lr"] = base_lr * fn(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports for the log line
+    set_scheduler_last_lr(scheduler, [g["lr"] for g in optimizer.param_groups])  # what the log line reports
     return old_lr, optimizer.param_groups[0]["lr"]
