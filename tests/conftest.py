@@ -6,12 +6,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
+
+if TYPE_CHECKING:
+    from trainer.train import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +50,7 @@ def tiny_args(tmp_path: Path) -> Callable[..., list[str]]:
 
 
 @pytest.fixture
-def make_trainer() -> Iterator[Callable[[list[str]], object]]:
+def make_trainer() -> Iterator[Callable[[list[str]], Trainer]]:
     """make_trainer(argv) -> a Trainer that is closed when the test ends, pass or fail."""
     with contextlib.ExitStack() as stack:
         yield lambda argv: stack.enter_context(open_trainer(argv))

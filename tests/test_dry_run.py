@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import train
 from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims
-from tests.common import DEBUG_CONFIG, ROOT, open_trainer
+from tests.common import DEBUG_CONFIG, ROOT
 from tests.sac_helpers import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
 from trainer.config import ActivationCheckpoint, Training, parse_args
 from trainer.tools.dry_run import dry_run, memory_estimate
@@ -63,7 +65,9 @@ def test_activation_estimate_matches_report(save_list: frozenset | None) -> None
 
 
 @pytest.mark.parametrize("overrides", [[], ["--model.n_layers", "2", "--model.vocab_size", "4096"]])
-def test_dry_run_plans_the_model_the_trainer_builds(overrides: list[str], tmp_path: Path) -> None:
+def test_dry_run_plans_the_model_the_trainer_builds(
+    overrides: list[str], tmp_path: Path, make_trainer: Callable[[list[str]], Any]
+) -> None:
     """One build path: the dry run's parameter count and layer count equal the Trainer's for the same config,
     including the model.n_layers / vocab_size overrides that an earlier, separate dry-run build ignored."""
     import re
@@ -73,6 +77,6 @@ def test_dry_run_plans_the_model_the_trainer_builds(overrides: list[str], tmp_pa
     plan = dry_run(parse_args([*base, "--job.dry_run"]))
     planned = int(re.search(r"parameters: ([\d,]+)", plan).group(1).replace(",", ""))
     layers = int(re.search(r", (\d+) layers", plan).group(1))
-    with open_trainer(base) as trainer:
-        assert (planned, layers) == (trainer.n_params, len(trainer.model.layers))
+    trainer = make_trainer(base)
+    assert (planned, layers) == (trainer.n_params, len(trainer.model.layers))
     assert layers == (2 if overrides else LLAMA3_FLAVORS["debugmodel"].n_layers)

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,24 +15,18 @@ import torch
 import train
 from float8.sqnr import Float8SQNRMonitor
 from scripts.compare_runs import main as compare_main
-from tests.common import DEBUG_CONFIG, open_trainer
+from tests.common import tiny_run_args
 from tests.sac_helpers import batch, debug_model, loss_fn
 from trainer.config import parse_args
 from trainer.tools.guards import NonFiniteError, last_checkpoint
 from trainer.train import Trainer
 
 
-def _argv(tmp_path: Path, *extra: str) -> list[str]:
-    base = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
-    base += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none"]
-    return base + ["--training.mixed_precision_param", "float32", *extra]
-
-
 def test_profiler_traces_every_freq_steps_and_cpu_snapshot_warns(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, tiny_args: Callable[..., list[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="kiln")
-    argv = _argv(tmp_path, "--training.steps", "8", "--profiling.enable_profiling", "--profiling.profile_freq", "4")
+    argv = tiny_args("--training.steps", "8", "--profiling.enable_profiling", "--profiling.profile_freq", "4")
     assert train.main([*argv, "--profiling.enable_memory_snapshot"]) == 0
     traces = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*_trace.json"))
     assert traces == ["profile_trace/iteration_4/rank0_trace.json", "profile_trace/iteration_8/rank0_trace.json"]
@@ -42,7 +37,9 @@ def test_profiler_traces_every_freq_steps_and_cpu_snapshot_warns(
 
 
 def test_profile_freq_below_warmup_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    argv = _argv(tmp_path / "run", "--profiling.enable_profiling", "--profiling.profile_freq", "2")
+    argv = tiny_run_args(
+        "--job.dump_folder", str(tmp_path / "run"), "--profiling.enable_profiling", "--profiling.profile_freq", "2"
+    )
     assert train.main(argv) == 2
     err = capsys.readouterr().err
     assert err == (
@@ -62,22 +59,24 @@ def _poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
 
 
 def test_nan_guard_stops_at_next_log_step_naming_step_and_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_args: Callable[..., list[str]], make_trainer: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
-    assert train.main(_argv(tmp_path, "--training.steps", "2", *ckpt)) == 0  # a real, complete step-2
+    assert train.main(tiny_args("--training.steps", "2", *ckpt)) == 0  # a real, complete step-2
     (tmp_path / "checkpoint" / "step-7.tmp").mkdir()  # an unfinished save never counts as good
     _poison_step(monkeypatch, bad_step=5)
-    with open_trainer(_argv(tmp_path, "--training.steps", "10", "--metrics.log_freq", "3", *ckpt[:2], "100")) as t:
-        with pytest.raises(NonFiniteError, match="non-finite loss or grad norm at step 5") as e:
-            t.train()
-        assert f"Last good checkpoint: {tmp_path}/checkpoint/step-2" in str(e.value)
-        assert t.step == 6  # noticed at the first log step after the bad one (log_freq 3), not later
+    t = make_trainer(tiny_args("--training.steps", "10", "--metrics.log_freq", "3", *ckpt[:2], "100"))
+    with pytest.raises(NonFiniteError, match="non-finite loss or grad norm at step 5") as e:
+        t.train()
+    assert f"Last good checkpoint: {tmp_path}/checkpoint/step-2" in str(e.value)
+    assert t.step == 6  # noticed at the first log step after the bad one (log_freq 3), not later
 
 
-def test_nan_guard_checks_before_every_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nan_guard_checks_before_every_save(
+    tmp_path: Path, tiny_args: Callable[..., list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _poison_step(monkeypatch, bad_step=2)
-    argv = _argv(tmp_path, "--training.steps", "6", "--metrics.log_freq", "100")
+    argv = tiny_args("--training.steps", "6", "--metrics.log_freq", "100")
     argv += ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
     assert train.main(argv) == 1
     folder = tmp_path / "checkpoint"
