@@ -318,6 +318,8 @@ def train(tmp_path: Path, *overrides: str, steps: int = 20) -> Trainer:
             "0",
             "--activation_checkpoint.mode",
             "none",
+            "--training.mixed_precision_param",  # bf16 autocast, as asked: the single-device path under test
+            "bfloat16",
             *overrides,
         ]
     )

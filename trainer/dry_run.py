@@ -28,7 +28,7 @@ from models import LLAMA3_FLAVORS, Transformer, flops_per_token, num_params
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
-from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training
+from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, resolve_mixed_precision
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
 
@@ -170,6 +170,9 @@ def dry_run(cfg: JobConfig) -> str:
             f"mesh: {dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape))}  (FSDP {on[dims.dp_shard_enabled]}, "
             f"HSDP {on[dims.dp_replicate_enabled]}, TP {on[dims.tp_enabled]})",
             *float8_lines,
+            f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
+            f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
+            f"{t.mixed_precision_param}); master weights float32",
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")

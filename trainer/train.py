@@ -25,7 +25,7 @@ from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from parallelisms.parallelize import loss_parallel_enabled, parallelize_llama
 from trainer.checkpoint import CheckpointManager
-from trainer.config import ConfigError, JobConfig
+from trainer.config import CPU_BF16_COST, ConfigError, JobConfig, grad_accum_steps, resolve_mixed_precision
 from trainer.data import build_dataloader
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
 from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
@@ -38,6 +38,14 @@ from trainer.sqnr import Float8SQNRMonitor
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln")
+
+
+def log_precision(param: str, precision: str, device_type: str) -> None:
+    """One start-up line with the compute dtype chosen, and one warning when bf16 is forced on a CPU."""
+    how = f"training.mixed_precision_param = {param}" + (f" on {device_type}" if param == "auto" else "")
+    logger.info(f"Mixed precision: {precision} compute, float32 master weights and optimizer state ({how})")
+    if precision == "bfloat16" and device_type == "cpu":
+        logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
 
 
 class Trainer:
@@ -84,9 +92,11 @@ class Trainer:
         model.train()
         self.model = model
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
+        self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
+        log_precision(t.mixed_precision_param, self.precision, self.device.type)
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if not self.parallel_dims.dp_enabled and t.mixed_precision_param == "bfloat16"
+            if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"
             else contextlib.nullcontext()
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
@@ -130,15 +140,7 @@ class Trainer:
         )
 
     def _grad_accum_steps(self, dp_degree: int) -> int:
-        t = self.cfg.training
-        per_step = t.local_batch_size * dp_degree
-        global_bs = per_step if t.global_batch_size == -1 else t.global_batch_size
-        if global_bs % per_step:
-            raise ConfigError(
-                f"training.global_batch_size ({global_bs}) must be a multiple of local_batch_size x "
-                f"data-parallel degree ({t.local_batch_size} x {dp_degree} = {per_step})"
-            )
-        return global_bs // per_step
+        return grad_accum_steps(self.cfg.training, dp_degree)
 
     # train_state for checkpoints: the step counter is the only trainer state besides the components.
     def state_dict(self) -> dict[str, int]:
