@@ -17,7 +17,7 @@ DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 def test_precedence_defaults_toml_cli() -> None:
     assert JobConfig().training.steps == 10000
     cfg = parse_args(["--job.config_file", DEBUG])
-    assert cfg.training.steps == 10 and cfg.optimizer.lr == 8e-4 and cfg.lr_scheduler.warmup_steps == 2
+    assert cfg.training.steps == 30 and cfg.optimizer.lr == 3e-3 and cfg.lr_scheduler.warmup_steps == 5
     cfg = parse_args(["--job.config_file", DEBUG, "--training.steps", "7", "--optimizer.lr=1e-3"])
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-3
 
