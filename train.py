@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
 
 
 def _setup_logging() -> None:
@@ -14,18 +19,56 @@ def _setup_logging() -> None:
     )
 
 
-def check_config(argv: list[str]) -> int:
+def report_user_error(e: Exception) -> int:
+    """Print a user mistake as one line and return exit status 2.
+
+    Under run_train.sh (KILN_ERROR_FILE set) a worker appends the line to that file instead, in one write, and
+    the launcher prints it once for all ranks: printed here, it would reach the user inside torchrun's
+    multi-line failure report.
+    """
+    line = "kiln: error: " + " ".join(str(e).splitlines())
+    path = os.environ.get("KILN_ERROR_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    else:
+        print(line, file=sys.stderr)
+    return 2
+
+
+def check_config(argv: list[str], world_size: int | None = None) -> int:
     """Validate the config only (standard library, instant): run_train.sh calls it before torchrun, whose
-    launcher would otherwise turn a one-line config error into exit 1 and a traceback per rank."""
-    from trainer.config import parse_args
+    launcher would otherwise turn a one-line config error into exit 1 and a traceback per rank. With the
+    world size (the launcher knows NGPU) the parallel degrees and the global batch are checked too."""
+    from trainer.config import parse_args, validate_world
     from trainer.errors import UserError
 
     try:
-        parse_args(argv)
+        cfg = parse_args(argv)
+        if world_size is not None and not cfg.job.dry_run:  # the dry run simulates its own world
+            validate_world(cfg, world_size)
     except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _log_paths(cfg: JobConfig) -> None:
+    """Each path the run reads or writes, absolute, once at start-up (relative ones were taken from the cwd)."""
+    log = logging.getLogger("kiln")
+    log.info(f"Config file: {cfg.job.config_file or '(none: defaults and command line)'}")
+    log.info(f"Dump folder: {cfg.job.dump_folder}")
+    log.info(f"Tokenizer: {cfg.model.tokenizer_path}")
+    if cfg.training.dataset_path is not None:
+        log.info(f"Dataset: {cfg.training.dataset_path}")
+    else:
+        from trainer.data import DATASETS
+
+        spec = DATASETS.get(cfg.training.dataset)
+        where = f" ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else ""
+        log.info(f"Dataset: {cfg.training.dataset}{where}")
+    if cfg.checkpoint.enable_checkpoint:
+        log.info(f"Checkpoint folder: {os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,16 +103,15 @@ def _run(argv: list[str] | None, started: list) -> int:
         from trainer.tools.guards import NonFiniteError
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
 
+        _log_paths(cfg)
         trainer = Trainer(cfg)
     except UserError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
-        return 2
+        return report_user_error(e)
     started.append(trainer)
     try:
         trainer.train()
     except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1, a refused save
-        print(f"kiln: error: {e}", file=sys.stderr)
-        return 2
+        return report_user_error(e)
     except NonFiniteError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.args import ModelArgs, ffn_hidden_dim
-from trainer.config import ConfigError, Parallelism, Training
+from trainer.config import ConfigError, Parallelism, Training, resolve_dp_shard
 from trainer.internals import flatten_mesh
 
 
@@ -21,23 +21,7 @@ class ParallelDims:
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name, value in (("data_parallel_replicate_degree", self.dp_replicate), ("tensor_parallel_degree", self.tp)):
-            if value < 1:
-                raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
-        others = self.dp_replicate * self.tp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ConfigError(
-                    f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree = {others} "
-                    f"does not divide the world size {self.world_size}"
-                )
-            self.dp_shard = self.world_size // others
-        if self.dp_shard < 1 or self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x data_parallel_shard_degree "
-                f"({self.dp_shard}) x tensor_parallel_degree ({self.tp}) must equal the world size "
-                f"{self.world_size}"
-            )
+        self.dp_shard = resolve_dp_shard(self.dp_replicate, self.dp_shard, self.tp, self.world_size)
 
     @property
     def dp_replicate_enabled(self) -> bool:

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 from float8.converter import is_float8_linear
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.parallel_dims import ParallelDims
-from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training
+from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
 from trainer.internals import enable_emulate_precision_casts, enable_micro_pipeline_tp
 
 logger = logging.getLogger("kiln")
@@ -135,8 +135,8 @@ def apply_fsdp(
     mesh = parallel_dims.mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard"]
     mp = MixedPrecisionPolicy(
-        # The config's choices are torch dtype names.
-        param_dtype=getattr(torch, training.mixed_precision_param),
+        # The config's choices are torch dtype names (auto: bfloat16 on CUDA, float32 on CPU).
+        param_dtype=getattr(torch, resolve_mixed_precision(training.mixed_precision_param, dp_mesh.device_type)),
         reduce_dtype=getattr(torch, training.mixed_precision_reduce),
     )
     policy = parallelism.fsdp_reshard_after_forward

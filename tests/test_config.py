@@ -15,7 +15,7 @@ from trainer.config import ConfigError, JobConfig, format_help, parse_args, to_t
 def test_precedence_defaults_toml_cli() -> None:
     assert JobConfig().training.steps == 10000
     cfg = parse_args(["--job.config_file", DEBUG_CONFIG])
-    assert cfg.training.steps == 10 and cfg.optimizer.lr == 8e-4 and cfg.lr_scheduler.warmup_steps == 2
+    assert cfg.training.steps == 30 and cfg.optimizer.lr == 3e-3 and cfg.lr_scheduler.warmup_steps == 5
     cfg = parse_args(["--job.config_file", DEBUG_CONFIG, "--training.steps", "7", "--optimizer.lr=1e-3"])
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-3
 
@@ -143,3 +143,55 @@ def test_run_train_sh_reports_config_errors_before_torchrun() -> None:
     assert proc.stderr.strip().splitlines() == [
         "kiln: error: --training.stpes: unknown key 'training.stpes'; did you mean 'training.steps'?"
     ]
+
+
+def test_mixed_precision_auto_resolves_by_device() -> None:
+    from trainer.config import resolve_mixed_precision
+
+    assert parse_args([]).training.mixed_precision_param == "auto"
+    assert resolve_mixed_precision("auto", "cuda") == "bfloat16"
+    assert resolve_mixed_precision("auto", "cpu") == "float32"  # measured faster on every CPU so far
+    assert resolve_mixed_precision("bfloat16", "cpu") == "bfloat16"  # asked for: honoured
+    assert resolve_mixed_precision("float32", "cuda") == "float32"
+
+
+def test_last_config_file_wins_and_paths_are_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_train.sh passes CONFIG_FILE first: a --job.config_file after it must win, like any key given twice."""
+    (tmp_path / "a.toml").write_text("[training]\nsteps = 3\n")
+    (tmp_path / "b.toml").write_text('[training]\nsteps = 4\ndataset_path = "d.jsonl"\n[job]\ndump_folder = "o"\n')
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--job.config_file", "a.toml", "--job.config_file", "b.toml"])
+    assert cfg.training.steps == 4 and cfg.job.config_file == str(tmp_path / "b.toml")
+    assert cfg.job.dump_folder == str(tmp_path / "o") and cfg.training.dataset_path == str(tmp_path / "d.jsonl")
+    # kiln's own configs and assets are found from anywhere; the current directory wins when both have the path.
+    cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml"])
+    assert cfg.job.config_file == str(ROOT / "train_configs" / "debug_model.toml")
+    assert cfg.model.tokenizer_path == str(ROOT / "assets" / "tokenizer" / "tokenizer.model")
+    (tmp_path / "assets" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "assets" / "tokenizer" / "tokenizer.model").write_text("mine")
+    cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml"])
+    assert cfg.model.tokenizer_path == str(tmp_path / "assets" / "tokenizer" / "tokenizer.model")
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (
+            ["--parallelism.tensor_parallel_degree", "3"],
+            2,
+            "tensor_parallel_degree = 3 does not divide the world size 2",
+        ),
+        (["--parallelism.data_parallel_shard_degree", "3"], 4, "must equal the world size 4"),
+        (["--training.global_batch_size", "6", "--training.local_batch_size", "4"], 1, "global_batch_size (6)"),
+        (["--training.global_batch_size", "8", "--training.local_batch_size", "2"], 3, "(2 x 3 = 6)"),
+        (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"], 2, "seq_len (33) must be"),
+    ],
+)
+def test_validate_world_checks_degrees_and_batch(argv: list[str], world: int, message: str) -> None:
+    from trainer.config import validate_world
+
+    with pytest.raises(ConfigError) as e:
+        validate_world(parse_args(argv), world)
+    assert message in str(e.value)
+    validate_world(parse_args(["--training.global_batch_size", "8", "--training.local_batch_size", "2"]), 4)  # fits

@@ -37,6 +37,9 @@ def test_debug_plan_fsdp_tp_float8() -> None:
     assert "Float8RowwiseParallel" in wo and "dim 1" in wo
     assert "selective per-op" in plan and "save list:" in plan
     assert "optimizer (AdamW m+v fp32)" in plan
+    assert (
+        "mixed precision: bfloat16 compute on a GPU, float32 on a CPU (training.mixed_precision_param = auto)" in plan
+    )
 
 
 def test_rowwise_uses_high_precision_tp_styles_and_cli_exits_0(capsys: pytest.CaptureFixture) -> None:

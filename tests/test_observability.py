@@ -48,6 +48,11 @@ def test_profile_freq_below_warmup_is_a_config_error(tmp_path: Path, capsys: pyt
     assert not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
+def _argv(dump: Path, *extra: str) -> list[str]:
+    """The tiny fp32 debug run (no AC) into `dump`, then `extra`."""
+    return tiny_run_args("--job.dump_folder", str(dump), *extra)
+
+
 def _poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
     forward_loss = Trainer.forward_loss
 

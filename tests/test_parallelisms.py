@@ -524,3 +524,32 @@ def test_rowwise_compile_turns_on_emulate_precision_casts(
     argv = tiny_run_args("--job.dry_run", "--float8.enable_float8_linear", "--float8.recipe_name", recipe)
     dry_run(parse_args(argv + (["--training.compile"] if compile else [])))
     assert emulate_precision_casts_enabled() is expected
+
+
+def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP's MixedPrecisionPolicy takes training.mixed_precision_param through resolve_mixed_precision: `auto` on a
+    gloo (CPU) mesh is float32, an explicit bfloat16 is kept. Two fake ranks: only the policy handed over matters."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallelisms import parallelize
+
+    policies = []
+
+    def spy(module: nn.Module, **kwargs: Any) -> nn.Module:
+        policies.append(kwargs["mp_policy"].param_dtype)
+        return module
+
+    monkeypatch.setattr(parallelize, "fully_shard", spy)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        dims = ParallelDims(1, -1, 1, 2)
+        dims.build_mesh("cpu")
+        for param, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+            policies.clear()
+            with torch.device("meta"):
+                model = Transformer(ARGS)
+            training = Training(mixed_precision_param=param)
+            parallelize.parallelize_llama(model, dims, training, Parallelism(), ActivationCheckpoint("none"), Float8())
+            assert policies == [want] * (ARGS.n_layers + 1), (param, policies)
+    finally:
+        dist.destroy_process_group()

@@ -317,3 +317,35 @@ def test_compiled_loss_matches_eager() -> None:
     assert compiled.dtype == torch.float32
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_compiled, grad_eager)
+
+
+def test_precision_auto_is_float32_on_cpu_and_bf16_is_honoured_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`auto` (the default) computes in float32 on a CPU, where bf16 autocast measured 0.06x-0.57x as fast; an
+    explicit bfloat16 still runs bf16 compute, with one warning stating that cost."""
+    from trainer.config import JobConfig
+
+    assert JobConfig().training.mixed_precision_param == "auto"
+    caplog.set_level(logging.INFO, logger="kiln")
+    logits = {}
+    for param in ("auto", "bfloat16"):
+        cfg = parse_args(["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), *BASE])
+        cfg.training.mixed_precision_param = param
+        trainer = Trainer(cfg)
+        try:
+            with torch.no_grad(), trainer.amp:
+                logits[param] = trainer.model(torch.zeros(1, 8, dtype=torch.long))
+        finally:
+            trainer.close()
+    assert logits["auto"].dtype == torch.float32 and logits["bfloat16"].dtype == torch.bfloat16
+    messages = [r.getMessage() for r in caplog.records]
+    chosen = [m for m in messages if m.startswith("Mixed precision: ")]
+    assert chosen == [
+        "Mixed precision: float32 compute, float32 master weights and optimizer state "
+        "(training.mixed_precision_param = auto on cpu)",
+        "Mixed precision: bfloat16 compute, float32 master weights and optimizer state "
+        "(training.mixed_precision_param = bfloat16)",
+    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "0.06x float32's speed on an AVX2 CPU" in warnings[0], warnings

@@ -96,6 +96,21 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, valid: R
 
 DTYPES = ("bfloat16", "float32")
 
+# bf16 autocast against float32 on CPUs, debug model (DESIGN.md): no CPU measured so far runs bf16 faster.
+CPU_BF16_COST = "bf16 ran at 0.06x float32's speed on an AVX2 CPU and 0.57x on an AVX512-BF16 CPU without AMX"
+
+
+def resolve_mixed_precision(param: str, device_type: str) -> str:
+    """The compute dtype name for training.mixed_precision_param on this device type.
+
+    `auto` is whichever measured faster: bfloat16 on CUDA (tensor cores), float32 on a CPU (see
+    CPU_BF16_COST); an explicit dtype is honoured everywhere. The Trainer (autocast), FSDP's
+    MixedPrecisionPolicy and the dry run all call this, so `auto` means the same thing in each.
+    """
+    if param != "auto":
+        return param
+    return "bfloat16" if device_type == "cuda" else "float32"
+
 
 @dataclass
 class Job:
@@ -168,10 +183,11 @@ class Training:
         valid=Range(note="<= 0 disables clipping"),
     )
     mixed_precision_param: str = _f(
-        "bfloat16",
+        "auto",
         "Compute dtype of parameters in forward/backward (FSDP param_dtype, autocast otherwise); "
-        "master weights and optimizer state stay float32.",
-        DTYPES,
+        "master weights and optimizer state stay float32. auto = bfloat16 on CUDA, float32 on CPU "
+        "(measured faster there; docs/config.md).",
+        ("auto", *DTYPES),
     )
     mixed_precision_reduce: str = _f("float32", "Gradient reduction dtype under FSDP.", DTYPES)
     compile: bool = _f(False, "torch.compile each transformer block.")
@@ -396,6 +412,39 @@ def _set(cfg: JobConfig, section: str, key: str, raw: Any, where: str, toml: boo
 # ----------------------------------------------------------------------------- sources
 
 
+# The kiln checkout (or editable install): where the default config and the bundled assets live.
+KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_input_path(path: str) -> str:
+    """An existing file the user names, as an absolute path.
+
+    Relative paths are taken from the current directory (where the user launched kiln); when nothing is there
+    but kiln's own folder has it, kiln's copy: the shipped configs name the bundled tokenizer and corpus as
+    `assets/...`, and `CONFIG_FILE=train_configs/x.toml` works from any directory. The current directory wins
+    when both exist; the start-up log prints the path chosen.
+    """
+    path = os.path.expanduser(path)
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    here = os.path.abspath(path)
+    bundled = os.path.join(KILN_ROOT, path)
+    return bundled if not os.path.exists(here) and os.path.exists(bundled) else here
+
+
+def resolve_output_path(path: str) -> str:
+    """A folder kiln writes to, as an absolute path: relative to the current directory, never kiln's."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _resolve_paths(cfg: JobConfig) -> None:
+    """Make every user path absolute once, at parse time, so no later code depends on the current directory."""
+    cfg.job.dump_folder = resolve_output_path(cfg.job.dump_folder)
+    cfg.model.tokenizer_path = resolve_input_path(cfg.model.tokenizer_path)
+    if cfg.training.dataset_path is not None:
+        cfg.training.dataset_path = resolve_input_path(cfg.training.dataset_path)
+
+
 def _load_toml(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         raise ConfigError(f"--job.config_file {path} is a directory; give a TOML file")
@@ -468,7 +517,16 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         raise SystemExit(0)
     items = _parse_cli(argv)
     cfg = JobConfig()
-    config_file = next((v for s, k, v in items if (s, k) == ("job", "config_file")), None)
+    # The last --job.config_file wins, like any key given twice: run_train.sh passes CONFIG_FILE first, so a
+    # --job.config_file on its command line overrides it.
+    config_file = next((v for s, k, v in reversed(items) if (s, k) == ("job", "config_file")), None)
+    if config_file:
+        given, config_file = config_file, resolve_input_path(config_file)
+        if not os.path.isfile(config_file) and not os.path.isabs(os.path.expanduser(given)):
+            raise ConfigError(
+                f"config file not found: {given} (relative paths are looked up in the current directory "
+                f"{os.getcwd()}, then in kiln's folder {KILN_ROOT})"
+            )
     toml = _load_toml(config_file) if config_file else {}
     # torchtitan's key names (v0.1.0 .. v0.2.2) -> kiln's, before anything is set: see trainer/torchtitan_compat.py
     toml, items = torchtitan_compat.resolve(cfg, toml, items, config_file, _convert)
@@ -479,6 +537,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             for key, raw in values.items():
                 _set(cfg, section, key, raw, f"{config_file}: {section}.{key}", toml=True)
     _apply_cli(cfg, items)
+    cfg.job.config_file = config_file or None
+    _resolve_paths(cfg)
     validate(cfg)
     return cfg
 
@@ -558,6 +618,53 @@ def _validate_float8(cfg: Float8) -> None:
         raise ConfigError(
             "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather "
             "(it precomputes the scales of float8-all-gathered weights)"
+        )
+
+
+def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> int:
+    """data_parallel_shard_degree for this world size (-1 = the rest); ConfigError unless the degrees multiply to
+    the world size. ParallelDims and the launcher's pre-flight check (validate_world) both call this."""
+    for name, value in (("data_parallel_replicate_degree", dp_replicate), ("tensor_parallel_degree", tp)):
+        if value < 1:
+            raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
+    others = dp_replicate * tp
+    if dp_shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree = {others} "
+                f"does not divide the world size {world_size}"
+            )
+        dp_shard = world_size // others
+    if dp_shard < 1 or dp_replicate * dp_shard * tp != world_size:
+        raise ConfigError(
+            f"parallelism: data_parallel_replicate_degree ({dp_replicate}) x data_parallel_shard_degree "
+            f"({dp_shard}) x tensor_parallel_degree ({tp}) must equal the world size {world_size}"
+        )
+    return dp_shard
+
+
+def grad_accum_steps(t: Training, dp_degree: int) -> int:
+    """Micro-batches per optimizer step: global batch / (local batch x data-parallel degree), which must divide."""
+    per_step = t.local_batch_size * dp_degree
+    global_bs = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if global_bs % per_step:
+        raise ConfigError(
+            f"training.global_batch_size ({global_bs}) must be a multiple of local_batch_size x "
+            f"data-parallel degree ({t.local_batch_size} x {dp_degree} = {per_step})"
+        )
+    return global_bs // per_step
+
+
+def validate_world(cfg: JobConfig, world_size: int) -> None:
+    """Checks that need only the config and the world size; run_train.sh runs them before torchrun starts a rank
+    (the model-shape checks of parallelisms/ need torch and run in the Trainer)."""
+    p = cfg.parallelism
+    tp = p.tensor_parallel_degree
+    dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size)
+    grad_accum_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard)
+    if cfg.training.seq_len % tp:  # sequence parallel splits every sequence into tp pieces
+        raise ConfigError(
+            f"training.seq_len ({cfg.training.seq_len}) must be divisible by tensor_parallel_degree ({tp})"
         )
 
 

@@ -31,7 +31,7 @@ from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume, file_sha256, training_settings
 from trainer.components.tokenizer import Tokenizer
-from trainer.config import JobConfig
+from trainer.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
 from trainer.errors import ConfigError
 from trainer.hooks import (
     CheckpointHook,
@@ -52,6 +52,14 @@ from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
 logger = logging.getLogger("kiln")
+
+
+def log_precision(param: str, precision: str, device_type: str) -> None:
+    """One start-up line with the compute dtype chosen, and one warning when bf16 is forced on a CPU."""
+    how = f"training.mixed_precision_param = {param}" + (f" on {device_type}" if param == "auto" else "")
+    logger.info(f"Mixed precision: {precision} compute, float32 master weights and optimizer state ({how})")
+    if precision == "bfloat16" and device_type == "cpu":
+        logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
 
 
 class Trainer:
@@ -105,9 +113,11 @@ class Trainer:
         model.train()
         self.model = model
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
+        self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
+        log_precision(t.mixed_precision_param, self.precision, self.device.type)
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if not self.parallel_dims.dp_enabled and t.mixed_precision_param == "bfloat16"
+            if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"
             else contextlib.nullcontext()
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
@@ -147,15 +157,7 @@ class Trainer:
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
     def _grad_accum_steps(self, dp_degree: int) -> int:
-        t = self.cfg.training
-        per_step = t.local_batch_size * dp_degree
-        global_bs = per_step if t.global_batch_size == -1 else t.global_batch_size
-        if global_bs % per_step:
-            raise ConfigError(
-                f"training.global_batch_size ({global_bs}) must be a multiple of local_batch_size x "
-                f"data-parallel degree ({t.local_batch_size} x {dp_degree} = {per_step})"
-            )
-        return global_bs // per_step
+        return grad_accum_steps(self.cfg.training, dp_degree)
 
     # train_state for checkpoints: the step counter, and the settings a resume is checked against (JSON text).
     def state_dict(self) -> dict[str, int | str]:

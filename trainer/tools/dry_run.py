@@ -25,7 +25,7 @@ from float8.converter import build_float8_converter, is_float8_linear
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
 from trainer.build import build_model
-from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training
+from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, resolve_mixed_precision
 from trainer.internals import init_fake_process_group, unwrapped_fqn
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -162,6 +162,9 @@ def dry_run(cfg: JobConfig) -> str:
             f"mesh: {dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape))}  (FSDP {on[dims.dp_shard_enabled]}, "
             f"HSDP {on[dims.dp_replicate_enabled]}, TP {on[dims.tp_enabled]})",
             *float8_lines,
+            f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
+            f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
+            f"{t.mixed_precision_param}); master weights float32",
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
