@@ -62,7 +62,7 @@ def _log_paths(cfg: JobConfig) -> None:
     if cfg.training.dataset_path is not None:
         log.info(f"Dataset: {cfg.training.dataset_path}")
     else:
-        from trainer.data import DATASETS
+        from trainer.components.data import DATASETS
 
         spec = DATASETS.get(cfg.training.dataset)
         where = f" ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else ""

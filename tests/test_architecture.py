@@ -12,7 +12,7 @@
     9 trainer.hooks                           (the train loop's step hooks)
    10 trainer.train                           (the Trainer)
    11 train.py, benchmarks                   (entry points)
-   12 scripts                                (tools that may drive the entry points, e.g. the GPU bundle check)
+   12 launch.py, scripts                     (drive the entry points: the torchrun launcher, the GPU bundle check)
 
 Imports inside functions count too: a lazy import is still a dependency. docs/architecture.md explains the layers.
 """
@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer.hooks",),
     ("trainer.train",),
     ("train", "benchmarks"),
-    ("scripts",),
+    ("launch", "scripts"),
 ]
 KILN_TOP = {"trainer", "models", "float8", "parallelisms", "train", "scripts", "benchmarks"}
 

@@ -61,13 +61,13 @@ def grads_seen_by_optimizer(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
 def logged_metrics(trainer: Trainer) -> list[dict[str, float]]:
     """The values MetricsLogger.log returns on each log step: the numbers the step line and TensorBoard show."""
     records: list[dict[str, float]] = []
-    log = trainer.components.metrics.log
+    log = trainer.metrics.log
 
     def recording(*args: Any, **kwargs: Any) -> dict[str, float]:
         records.append(log(*args, **kwargs))
         return records[-1]
 
-    trainer.components.metrics.log = recording
+    trainer.metrics.log = recording
     return records
 
 
