@@ -206,9 +206,12 @@ class DataLoader:
 
     def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, bytes]:
         batch = torch.tensor([next(it) for _ in range(self.batch_size)], dtype=torch.long)
+        # Contiguous copies: a non-contiguous slice of pinned memory is staged through pageable memory on its
+        # way to the GPU, so the non_blocking copy would block (local batch > 1; a 1-row slice is contiguous).
+        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.pin_memory:
-            batch = batch.pin_memory()
-        return batch[:, :-1], batch[:, 1:], pickle.dumps(self.windows.state_dict())
+            inputs, labels = inputs.pin_memory(), labels.pin_memory()
+        return inputs, labels, pickle.dumps(self.windows.state_dict())
 
     def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
         it = iter(self.windows)
