@@ -342,9 +342,12 @@ class DataLoader:
             if j // self.batch_size == self.dp_rank:
                 rows.append(window)
         batch = torch.tensor(rows, dtype=torch.long)
+        # Contiguous copies: a non-contiguous slice of pinned memory is staged through pageable memory on its
+        # way to the GPU, so the non_blocking copy would block (local batch > 1; a 1-row slice is contiguous).
+        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.pin_memory:
-            batch = batch.pin_memory()
-        return batch[:, :-1], batch[:, 1:], self.windows.state_dict()
+            inputs, labels = inputs.pin_memory(), labels.pin_memory()
+        return inputs, labels, self.windows.state_dict()
 
     def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
         it = iter(self.windows)

@@ -28,7 +28,8 @@ PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
     ("H100 NVL", 835.0, 1671.0),
     ("H100 PCIe", 756.0, 1513.0),
     ("H100", 989.0, 1979.0),  # SXM; after the PCIe/NVL entries so those match first
-    ("H200", 989.0, 1979.0),
+    ("H200 NVL", 835.5, 1670.5),  # data sheet: 1,671 bf16 / 3,341 fp8 TFLOPS with sparsity, halved
+    ("H200", 989.0, 1979.0),  # SXM; after the NVL entry
     ("B200", 2250.0, 4500.0),
     ("MI300X", 1307.0, 2615.0),
     ("MI325X", 1307.0, 2615.0),
