@@ -149,7 +149,10 @@ class TokenWindows:
                     window, self.buffer = self.buffer[: self.window], self.buffer[self.window :]
                     yield window
             if not produced and self.epoch > 0:
-                raise ConfigError("training dataset is too small to fill one sequence of training.seq_len tokens")
+                raise ConfigError(
+                    f"{self.source}: too small to fill one sequence of training.seq_len ({self.window - 1}) tokens "
+                    f"on data-parallel rank {self.dp_rank} of {self.dp_degree}"
+                )
             self.epoch += 1
             logger.warning(f"dataset exhausted; re-looping (epoch {self.epoch})")
             self.data.set_epoch(self.epoch)
