@@ -104,7 +104,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # OpenMP threads that spin while they wait for each other are ruinous on shared cores: a thread spins while the
     # one it waits for is descheduled. The debug run on a 2-core machine shared with other jobs took 4.5-7.7 min
-    # with libgomp's default and 1.2-1.9 min with passive waiting (docs/performance.md). Yours to override.
+    # with libgomp's default and 1.2-1.5 min with passive waiting (docs/performance.md). Yours to override.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import parse_args, run
