@@ -433,10 +433,22 @@ def test_refused_changes_exit_2_and_touch_nothing(
     assert sorted(str(p) for p in (tmp_path / "checkpoint").rglob("*")) == before
 
 
+def test_moved_data_resumes(tmp_path: Path, small_model: None) -> None:
+    """The data's identity is its files' names and sizes, not its folder: a moved copy resumes."""
+    run_trainer(tmp_path, *CKPT)
+    moved = tmp_path / "moved" / "kiln_corpus.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(ROOT / "assets" / "corpus" / "kiln_corpus.jsonl", moved)
+    args = [*TINY, "--job.dump_folder", str(tmp_path), *CKPT, "--checkpoint.load_step", "3"]
+    resumed = Trainer(parse_args([*args, "--training.dataset_path", str(moved)]))
+    resumed.close()
+    assert resumed.step == 3 and resumed.dataloader.state_dict()["sequences"] == 6
+
+
 def test_check_resume_table() -> None:
     """Each row of docs/checkpoint.md's table: refused keys raise, handled and warned keys warn."""
     base = {
-        "data": {"name": "kiln_corpus", "files": [["a.jsonl", 10]]},
+        "data": {"files": [["a.jsonl", 10]]},
         "model.tokenizer": "abc",
         "training.seq_len": 32,
         "model": {"dim": 64},
@@ -449,7 +461,7 @@ def test_check_resume_table() -> None:
         "training.mixed_precision_param": "float32",
     }
     assert check_resume(base, dict(base), "ckpt") == []
-    for key, new in [("data", {"name": "c4", "hub": "x"}), ("model.tokenizer", "abd"), ("training.seq_len", 64),
+    for key, new in [("data", {"hub": "allenai/c4/en"}), ("model.tokenizer", "abd"), ("training.seq_len", 64),
                      ("model", {"dim": 64, "rope_theta": 1.0})]:  # fmt: skip
         with pytest.raises(CheckpointError, match=f"ckpt was saved with other {key} "):
             check_resume(base, {**base, key: new}, "ckpt")

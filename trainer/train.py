@@ -128,7 +128,11 @@ class Trainer:
         self.step = 0
         global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
         self.settings = training_settings(
-            cfg, built.args, global_batch, dataset_fingerprint(t), file_sha256(cfg.model.tokenizer_path)
+            cfg,
+            built.args,
+            global_batch,
+            dataset_fingerprint(t, self.dataloader.windows.shard_files),
+            file_sha256(cfg.model.tokenizer_path),
         )
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,

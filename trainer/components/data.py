@@ -405,15 +405,14 @@ class DataLoader:
         self._position = self.windows.state_dict()
 
 
-def dataset_fingerprint(cfg: Training) -> dict[str, Any]:
+def dataset_fingerprint(cfg: Training, files: list[str] | None) -> dict[str, Any]:
     """What identifies the training data in a checkpoint: the hub dataset id, or each local file's path
-    (relative to the dataset folder) and size. Moving the data keeps it; adding, removing, editing or replacing
-    a file changes it. Cheap: a directory walk and a stat per file, no reading."""
-    if cfg.dataset_path is None and cfg.dataset in DATASETS and DATASETS[cfg.dataset].hub:
+    (relative to the dataset folder) and size, `files` being the loader's (TokenWindows.shard_files). Moving
+    the data keeps it; adding, removing, editing or replacing a file changes it. Cheap: a stat per file."""
+    if files is None:
         spec = DATASETS[cfg.dataset]
         return {"hub": f"{spec.path}/{spec.hub_config}"}
     path = cfg.dataset_path if cfg.dataset_path is not None else DATASETS[cfg.dataset].path
-    _, files = _local_files(path)
     root = path if os.path.isdir(path) else os.path.dirname(path)
     return {"files": [[os.path.relpath(f, root), os.path.getsize(f)] for f in files]}
 

@@ -58,7 +58,7 @@ def training_settings(
     t, o, f8 = cfg.training, cfg.optimizer, cfg.float8
     model = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in _INIT_ONLY}
     return {
-        "data": {"name": t.dataset if t.dataset_path is None else t.dataset_path, **data},
+        "data": data,  # files and sizes (not their folder: moved data is the same data), or the hub id
         "model.tokenizer": tokenizer_sha256,
         "training.seq_len": t.seq_len,
         "model": model,
