@@ -259,6 +259,7 @@ ENV_CASES = [
 ]
 
 
+@pytest.mark.slow  # six subprocesses that import torch (and torchao): ~50 s on a loaded 2-core machine
 @pytest.mark.parametrize(
     "patch,argv,message", ENV_CASES, ids=["rowwise_all_gather", "precompute", "flag_off", "sm80", "old", "missing"]
 )
