@@ -12,7 +12,6 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
 from trainer.dist import init_distributed, set_collective_timeout, set_determinism
-from trainer.float8_checks import ScaledMMCounter, verify_float8_in_use
+from trainer.float8_checks import Float8UsageProbe
 from trainer.guards import NonFiniteGuard
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -153,16 +152,6 @@ class Trainer:
             logits = self.model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
-    def _counting_forward_loss(self, counter: ScaledMMCounter) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """forward_loss that counts _scaled_mm calls: eager (dynamo cannot trace under a dispatch mode) and
-        forward only (the mode also gets in DTensor's way in backward and grad clipping)."""
-
-        def forward_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with torch.compiler.set_stance("force_eager"), counter:
-                return Trainer.forward_loss(self, inputs, labels)
-
-        return forward_loss
-
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -256,13 +245,10 @@ class Trainer:
         if sqnr is not None:
             sqnr.active = self.step % sqnr_freq == 0
         if self.float8 is not None and not self._float8_verified:
-            scaled_mm = ScaledMMCounter()
-            self.forward_loss = self._counting_forward_loss(scaled_mm)  # first step only: the mode costs time
-            try:
+            probe = Float8UsageProbe(self.model, self.cfg.float8, self.parallel_dims.fsdp_enabled)
+            with probe.during_first_step():  # counts torchao's float8 matmuls; the step itself is unchanged
                 loss, grad_norm = self.train_step()
-            finally:
-                del self.forward_loss  # back to the class's method
-            verify_float8_in_use(self.model, self.cfg.float8, scaled_mm.calls, self.parallel_dims.fsdp_enabled)
+            probe.verify()
             self._float8_verified = True
         else:
             loss, grad_norm = self.train_step()
