@@ -1,43 +1,45 @@
 """Float8-in-use checks: at the first step, prove each float8 flag changed what runs, or stop the run.
 
 A float8 flag that silently does nothing (a filter that matched every Linear, a converter that was never
-called, FSDP float8 all-gather without FSDP) trains a bf16 model while the user reads float8 numbers. The
-Trainer counts `_scaled_mm` calls during its first step (`ScaledMMCounter`) and then calls
-`verify_float8_in_use`, which logs what it found and raises ConfigError (exit 2) when a flag had no effect.
+called, Float8Linears whose matmuls run in high precision, FSDP float8 all-gather without FSDP) trains a
+high-precision model while the user reads float8 numbers. `Float8UsageProbe` watches one training step and
+then checks; a flag that had no effect raises ConfigError (exit 2):
+
+    probe = Float8UsageProbe(model, cfg, fsdp_enabled)
+    with probe.during_first_step():
+        train_step()
+    probe.verify()
+
+What counts as a float8 matmul is torchao's own: its Float8TrainingTensor dispatches aten.mm (and addmm,
+matmul) on two float8 operands to an entry of torchao's op table, which calls torch._scaled_mm or, with
+`emulate`, a high-precision mm of the dequantised operands. The probe wraps those entries for the step: they
+count and call through, so the step computes exactly what it would without the probe. The table sits below
+DTensor (TP hands it the local shards), FSDP and activation checkpointing, so no layout changes the count.
+Under torch.compile the entries run while the graph is traced (dynamo's fake-tensor pass, AOTAutograd's
+joint graph), not when the compiled code runs: the count then says the compiled graph holds float8 matmuls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from float8.converter import is_float8_linear
 from trainer.config import ConfigError, Float8
-from trainer.internals import fsdp_param_groups, fsdp_param_owner
+from trainer.internals import (
+    float8_matmul_is_emulated_and_traced,
+    fsdp_param_groups,
+    fsdp_param_owner,
+    on_dynamo_compile,
+)
 
 logger = logging.getLogger("kiln")
-
-
-class ScaledMMCounter(TorchDispatchMode):
-    """Counts aten._scaled_mm calls (float8 matmuls) while active.
-
-    Float8 tensors are subclasses whose own dispatch issues `_scaled_mm`; returning NotImplemented for
-    subclass arguments lets them run first, and their inner ops then come back through this mode.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if any(t not in (torch.Tensor, nn.Parameter) for t in types):
-            return NotImplemented
-        if func is torch.ops.aten._scaled_mm.default:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _float8_all_gather_itemsizes(model: nn.Module) -> dict[str, int]:
@@ -58,31 +60,106 @@ def _float8_all_gather_itemsizes(model: nn.Module) -> dict[str, int]:
     return sizes
 
 
-def verify_float8_in_use(model: nn.Module, cfg: Float8, scaled_mm_calls: int, fsdp_enabled: bool) -> list[str]:
-    """Check each enabled float8 flag took effect; return the findings (logged), raise ConfigError if not."""
-    if not cfg.enable_float8_linear:
-        return []
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    float8 = [n for n, m in model.named_modules() if is_float8_linear(m)]
-    if not float8:
-        raise ConfigError(
-            f"float8.enable_float8_linear is set but none of the {len(linears)} Linears is a Float8Linear "
-            f"(float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
-        )
-    findings = [f"float8 in use: {len(float8)}/{len(linears)} Linears are Float8Linear"]
-    if scaled_mm_calls == 0:
-        raise ConfigError(
-            "float8.enable_float8_linear: Float8Linear modules exist but no aten._scaled_mm ran in the first "
-            "step; the float8 matmuls were bypassed"
-        )
-    findings.append(f"float8 in use: {scaled_mm_calls} _scaled_mm calls in the first step")
-    if cfg.enable_fsdp_float8_all_gather:
-        if not fsdp_enabled:
+def _is_compiled(model: nn.Module) -> bool:
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
+
+
+class Float8UsageProbe:
+    """Counts torchao float8 matmuls during one step, then checks every enabled float8 flag took effect.
+
+    `matmuls` counts by (where, emulated): where is "ran" (eager, real tensors) or "traced" (into a
+    torch.compile graph, fake tensors); emulated is torchao's emulate flag of that matmul.
+    """
+
+    def __init__(self, model: nn.Module, cfg: Float8, fsdp_enabled: bool) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.fsdp_enabled = fsdp_enabled
+        self.matmuls: Counter[tuple[str, bool]] = Counter()
+        self.compilations = 0  # dynamo compilations during the step: 0 with compiled blocks = graphs reused
+
+    def _counting(self, table_entry: Callable[..., Any]) -> Callable[..., Any]:
+        """A torchao op-table entry that counts the float8 matmul, then runs the original unchanged."""
+        addmm = torch.ops.aten.addmm.default
+
+        def float8_matmul(aten_op: Any, args: tuple, kwargs: dict | None = None) -> Any:
+            a, b = args[1:3] if aten_op == addmm else args[:2]  # addmm(bias, a, b); mm/matmul(a, b)
+            emulated, traced = float8_matmul_is_emulated_and_traced(a, b)
+            self.matmuls["traced" if traced else "ran", emulated] += 1
+            return table_entry(aten_op, args, kwargs)
+
+        return float8_matmul
+
+    @contextlib.contextmanager
+    def during_first_step(self) -> Iterator[None]:
+        """Count while the block runs (one step: forward, backward, optimizer); restores torchao's table."""
+        if not self.cfg.enable_float8_linear:
+            yield
+            return
+        from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+        aten = torch.ops.aten
+        originals = {op: FLOAT8_OPS_TABLE[op] for op in (aten.mm.default, aten.matmul.default, aten.addmm.default)}
+        wrappers = {op: self._counting(entry) for op, entry in originals.items()}
+
+        def on_compile(_args: Any) -> None:
+            self.compilations += 1
+
+        FLOAT8_OPS_TABLE.update(wrappers)
+        try:
+            with on_dynamo_compile(on_compile):
+                yield
+        finally:
+            for op, original in originals.items():
+                if FLOAT8_OPS_TABLE.get(op) is wrappers[op]:  # leave an entry someone else swapped since
+                    FLOAT8_OPS_TABLE[op] = original
+
+    def verify(self) -> list[str]:
+        """Check each enabled float8 flag took effect; return the findings (logged), raise ConfigError if not."""
+        cfg, model = self.cfg, self.model
+        if not cfg.enable_float8_linear:
+            return []
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        float8 = [n for n, m in model.named_modules() if is_float8_linear(m)]
+        if not float8:
+            raise ConfigError(
+                f"float8.enable_float8_linear is set but none of the {len(linears)} Linears is a Float8Linear "
+                f"(float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
+            )
+        findings = [f"float8 in use: {len(float8)}/{len(linears)} Linears are Float8Linear", self._matmul_finding()]
+        if cfg.enable_fsdp_float8_all_gather:
+            findings.append(self._all_gather_finding())
+        for line in findings:
+            (logger.info if line.startswith("float8 in use") else logger.warning)(line)
+        return findings
+
+    def _matmul_finding(self) -> str:
+        ran = sum(n for (where, _), n in self.matmuls.items() if where == "ran")
+        traced = sum(n for (where, _), n in self.matmuls.items() if where == "traced")
+        emulated = sum(n for (_, emulate), n in self.matmuls.items() if emulate)
+        if ran + traced == 0:
+            if self.compilations == 0 and _is_compiled(self.model):
+                # The compiled blocks ran graphs traced before the probe watched (an earlier model in this
+                # process with the same structure); nothing the step did can show what those graphs hold.
+                return "float8 not checked: the compiled blocks reused graphs compiled earlier in this process"
+            raise ConfigError(
+                "float8.enable_float8_linear: Float8Linear modules exist but no float8 matmul ran in the first "
+                "step (their matmuls ran in high precision or were bypassed)"
+            )
+        how = [f"{ran} ran"] if ran else []
+        how += [f"{traced} traced into compiled graphs"] if traced else []
+        kind = "emulated float8 matmuls" if emulated == ran + traced else "float8 matmuls"
+        if 0 < emulated < ran + traced:
+            kind += f" ({emulated} emulated)"
+        return f"float8 in use: {kind} in the first step: {', '.join(how)}"
+
+    def _all_gather_finding(self) -> str:
+        if not self.fsdp_enabled:
             raise ConfigError(
                 "float8.enable_fsdp_float8_all_gather is set but FSDP is not enabled (data-parallel shard "
                 "degree 1): nothing is all-gathered; drop the flag or shard over more ranks"
             )
-        sizes = _float8_all_gather_itemsizes(model)
+        sizes = _float8_all_gather_itemsizes(self.model)
         wide = sorted(n for n, s in sizes.items() if s != 1)
         if not sizes or wide:
             raise ConfigError(
@@ -93,7 +170,4 @@ def verify_float8_in_use(model: nn.Module, cfg: Float8, scaled_mm_calls: int, fs
                     else "no float8 weight"
                 )
             )
-        findings.append(f"float8 in use: FSDP all-gathers {len(sizes)} Float8Linear weights as 1-byte float8")
-    for line in findings:
-        logger.info(line)
-    return findings
+        return f"float8 in use: FSDP all-gathers {len(sizes)} Float8Linear weights as 1-byte float8"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.args import ModelArgs, ffn_hidden_dim
-from trainer.config import ConfigError, Parallelism, Training, resolve_dp_shard
+from trainer.config import ActivationCheckpoint, ConfigError, Parallelism, Training, resolve_dp_shard
 from trainer.internals import flatten_mesh
 
 
@@ -72,7 +72,12 @@ class ParallelDims:
 
 
 def validate_parallelism(
-    dims: ParallelDims, model_args: ModelArgs, training: Training, parallelism: Parallelism, device_type: str
+    dims: ParallelDims,
+    model_args: ModelArgs,
+    training: Training,
+    parallelism: Parallelism,
+    device_type: str,
+    ac: ActivationCheckpoint | None = None,
 ) -> None:
     """Checks that need the degrees and the model shape; call before the model is built (exit 2 on failure)."""
     tp = dims.tp
@@ -100,3 +105,14 @@ def validate_parallelism(
                 "parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1 and training.compile "
                 "(the TP overlap is an inductor pass)"
             )
+    block_ac = ac is not None and (ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op"))
+    if dims.tp_enabled and training.compile and block_ac and device_type == "cpu":
+        # Known failure on the CPU build (torch 2.13), with FSDP too: a compiled TP block under whole-block
+        # checkpointing fails in its first forward (AOTAutograd saves a DeviceMesh among the tensors for
+        # backward). No AC and per-op SAC compile and train.
+        raise ConfigError(
+            f"tensor parallel + training.compile + activation_checkpoint.mode {ac.mode}"
+            + (f" (selective_ac_option {ac.selective_ac_option})" if ac.mode == "selective" else "")
+            + " fails in the first forward on CPU (a torch bug, docs/parallelisms.md); use activation_checkpoint"
+            ".mode none or selective_ac_option op, or drop --training.compile"
+        )

@@ -553,3 +553,17 @@ def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyP
             assert policies == [want] * (ARGS.n_layers + 1), (param, policies)
     finally:
         dist.destroy_process_group()
+
+
+def test_tp_compile_with_whole_block_ac_is_refused_on_cpu() -> None:
+    fsdp_tp, compiled = ParallelDims(1, 2, 2, 4), Training(seq_len=32, compile=True)
+    for ac in (ActivationCheckpoint("full"), ActivationCheckpoint("selective", "2")):
+        with pytest.raises(
+            ConfigError, match=rf"tensor parallel \+ training.compile \+ activation_checkpoint.mode {ac.mode}"
+        ):
+            validate_parallelism(fsdp_tp, ARGS, compiled, Parallelism(), "cpu", ac)
+        validate_parallelism(fsdp_tp, ARGS, Training(seq_len=32), Parallelism(), "cpu", ac)  # eager: fine
+        validate_parallelism(fsdp_tp, ARGS, compiled, Parallelism(), "cuda", ac)  # not known to fail on CUDA
+        validate_parallelism(ParallelDims(1, 4, 1, 4), ARGS, compiled, Parallelism(), "cpu", ac)  # no TP: fine
+    for ac in (ActivationCheckpoint("none"), ActivationCheckpoint("selective", "op")):  # these compile and train
+        validate_parallelism(fsdp_tp, ARGS, compiled, Parallelism(), "cpu", ac)

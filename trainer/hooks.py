@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from float8.checks import ScaledMMCounter, verify_float8_in_use
+from float8.checks import Float8UsageProbe
 from float8.sqnr import Float8SQNRMonitor
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.dist import set_collective_timeout
@@ -224,40 +224,18 @@ class StopHook(StepHook):
 
 
 class Float8CheckHook(StepHook):
-    """At the first step, prove each float8 flag changed what runs (float8/checks.py), or stop the run (exit 2)."""
+    """At the first step, prove each float8 flag changed what runs (float8/checks.py), or stop the run (exit 2).
+
+    The probe counts torchao's float8 matmuls below DTensor, FSDP and AC; it changes nothing the step computes,
+    and a compiled step stays compiled (the count then comes from tracing the graph)."""
 
     def __init__(self, model: nn.Module, cfg: Float8, fsdp_enabled: bool) -> None:
-        self.model, self.cfg, self.fsdp_enabled = model, cfg, fsdp_enabled
-        self.verified = False
+        self.probe: Float8UsageProbe | None = Float8UsageProbe(model, cfg, fsdp_enabled)
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
-        if self.verified:
-            return contextlib.nullcontext()
-        return self._first_step()
+        return self.probe.during_first_step() if self.probe is not None else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def _first_step(self) -> Iterator[None]:
-        counter = ScaledMMCounter()
-        # Count in the forward only, eagerly: dynamo cannot trace under a dispatch mode.
-        handles = [
-            self.model.register_forward_pre_hook(lambda *_: _enter(counter)),
-            self.model.register_forward_hook(lambda *_: _exit(counter)),
-        ]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-        verify_float8_in_use(self.model, self.cfg, counter.calls, self.fsdp_enabled)
-        self.verified = True
-
-
-def _enter(counter: ScaledMMCounter) -> None:
-    counter.stance = torch.compiler.set_stance("force_eager")
-    counter.stance.__enter__()
-    counter.__enter__()
-
-
-def _exit(counter: ScaledMMCounter) -> None:
-    counter.__exit__(None, None, None)
-    counter.stance.__exit__(None, None, None)
+    def post_step(self, out: StepOutput) -> None:
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            probe.verify()

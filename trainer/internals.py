@@ -337,3 +337,32 @@ def wait_if_async_collective(t: Any) -> Any:
 def set_scheduler_last_lr(scheduler: Any, lrs: list[float]) -> None:
     """What `get_last_lr()` reports (torch keeps it in the private `_last_lr`; checked on torch 2.11 and 2.13)."""
     scheduler._last_lr = list(lrs)
+
+
+# ----------------------------------------------------------------------------- float8 usage probe (float8/checks.py)
+
+
+def float8_matmul_is_emulated_and_traced(a: Any, b: Any) -> tuple[bool, bool]:
+    """For two torchao Float8TrainingTensor matmul operands: (emulated, traced). emulated = torchao's emulate flag
+    of the matmul config it picks; traced = the operands are fake tensors (a torch.compile trace), not real ones.
+
+    Reads the tensors' private fields `_gemm_input_role`, `_linear_mm_config`, `_data` (torchao 0.18).
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from torchao.float8.float8_training_tensor import choose_scaled_mm_config
+
+    mm_config = choose_scaled_mm_config(
+        a._gemm_input_role, a._linear_mm_config, b._gemm_input_role, b._linear_mm_config
+    )
+    return bool(mm_config.emulate), bool(is_fake(a._data))
+
+
+@contextlib.contextmanager
+def on_dynamo_compile(callback: Any) -> Iterator[None]:
+    """Call `callback(arg)` at the start of every dynamo compilation while active (torch._dynamo.callback_handler,
+    checked on torch 2.11 and 2.13)."""
+    torch._dynamo.callback_handler.register_start_callback(callback)
+    try:
+        yield
+    finally:
+        torch._dynamo.callback_handler.remove_start_callback(callback)

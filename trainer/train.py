@@ -89,7 +89,9 @@ class Trainer:
             p.tensor_parallel_degree,
             dist.get_world_size(),
         )
-        validate_parallelism(self.parallel_dims, LLAMA3_FLAVORS[cfg.model.flavor], t, p, self.device.type)
+        validate_parallelism(
+            self.parallel_dims, LLAMA3_FLAVORS[cfg.model.flavor], t, p, self.device.type, cfg.activation_checkpoint
+        )
         self.parallel_dims.build_mesh(self.device.type)
         dp_degree, dp_rank = self.parallel_dims.dp_degree, self.parallel_dims.dp_mesh.get_local_rank()
         self.grad_accum_steps = self._grad_accum_steps(dp_degree)
@@ -259,7 +261,7 @@ class Trainer:
             metrics,
             CheckpointHook(self.checkpointer),
             CollectiveTimeoutHook(
-                compiling_steps(self.step, cfg.training.compile, self.float8 is not None, cfg.float8.sqnr_log_freq),
+                compiling_steps(self.step, cfg.training.compile, False, cfg.float8.sqnr_log_freq),
                 cfg.comm.init_timeout_seconds,
                 cfg.comm.train_timeout_seconds,
             ),
