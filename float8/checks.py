@@ -36,6 +36,7 @@ from trainer.internals import (
     float8_matmul_is_emulated_and_traced,
     fsdp_param_groups,
     fsdp_param_owner,
+    is_compiled_module,
     on_dynamo_compile,
 )
 
@@ -61,7 +62,7 @@ def _float8_all_gather_itemsizes(model: nn.Module) -> dict[str, int]:
 
 
 def _is_compiled(model: nn.Module) -> bool:
-    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
+    return any(is_compiled_module(m) for m in model.modules())
 
 
 class Float8UsageProbe:

@@ -435,7 +435,7 @@ def test_refused_changes_exit_2_and_touch_nothing(
 
 def test_moved_data_resumes(tmp_path: Path, small_model: None) -> None:
     """The data's identity is its files' names and sizes, not its folder: a moved copy resumes."""
-    run_trainer(tmp_path, *CKPT)
+    run_to_step_3(tmp_path)
     moved = tmp_path / "moved" / "kiln_corpus.jsonl"
     moved.parent.mkdir()
     shutil.copy(ROOT / "assets" / "corpus" / "kiln_corpus.jsonl", moved)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import train
-from trainer.config import ConfigError, JobConfig, Model, parse_args
+from trainer.config import ConfigError, JobConfig, Model, parse_args, resolve_input_path
 from trainer.torchtitan_compat import KILN_TOKENIZER, ROWS, ROWS_LIST, Honour, Ignore, Map, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,8 +149,8 @@ def test_debug_configs_of_every_release_mean_the_same_run() -> None:
     c = configs[0]
     assert (
         (c.training.dataset, c.model.tokenizer_path)
-        == ("kiln_corpus", KILN_TOKENIZER)
-        == ("kiln_corpus", Model().tokenizer_path)
+        == ("kiln_corpus", resolve_input_path(KILN_TOKENIZER))
+        == ("kiln_corpus", resolve_input_path(Model().tokenizer_path))
     )
     assert (c.lr_scheduler.warmup_steps, c.lr_scheduler.decay_ratio, c.lr_scheduler.min_lr_factor) == (2, 0.8, 0.0)
     assert (c.float8.enable_float8_linear, c.float8.filter_fqns, c.training.compile) == (False, ["output"], False)
@@ -162,7 +162,7 @@ def test_v02_configs_map_checkpoint_compile_and_float8() -> None:
     assert cfg.training.compile and cfg.parallelism.enable_async_tensor_parallel
     f8 = cfg.float8
     assert f8.enable_float8_linear and f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp
-    assert cfg.model.tokenizer_path == "./assets/hf/Llama-3.1-405B/original/tokenizer.model"
+    assert cfg.model.tokenizer_path == resolve_input_path("./assets/hf/Llama-3.1-405B/original/tokenizer.model")
 
 
 # ----------------------------------------------------------------------------- mappings, CLI and TOML
@@ -192,7 +192,10 @@ MAPPINGS = [
         ["--model.hf_assets_path", "/m/Llama-3.1-8B/"],
         {"model.tokenizer_path": "/m/Llama-3.1-8B/original/tokenizer.model"},
     ),
-    (["--model.tokenizer_path", "./tests/assets/test_tiktoken.model"], {"model.tokenizer_path": KILN_TOKENIZER}),
+    (
+        ["--model.tokenizer_path", "./tests/assets/test_tiktoken.model"],
+        {"model.tokenizer_path": resolve_input_path(KILN_TOKENIZER)},
+    ),
     (["--comm.mode", "fake_backend"], {"job.dry_run": True}),
     (["--parallelism.pipeline_parallel_degree", "1", "--metrics.no-enable_wandb"], {}),
 ]

@@ -366,3 +366,8 @@ def on_dynamo_compile(callback: Any) -> Iterator[None]:
         yield
     finally:
         torch._dynamo.callback_handler.remove_start_callback(callback)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether `module` is torch.compile's wrapper (torch._dynamo.eval_frame.OptimizedModule; torch 2.11, 2.13)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
