@@ -365,10 +365,12 @@ def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: 
 def test_rowwise_fp32_compiled_matches_eager(tmp_path: Path) -> None:
     """Same, with --training.compile (inductor, per block): 3 steps match eager. Compiling costs ~50 s of CPU
     on a cold cache, so the model is small (2 blocks: one compiled graph serves both; seq 32, batch 2) and the
-    run short; the eager test above shows the longer trajectory."""
+    run short; the eager test above shows the longer trajectory. At this size the loss is noisy step to step
+    (measured eager: 8.42, 8.24, 8.36, 8.11, 7.87 at lr 3e-3), so 5 steps at lr 3e-3 show it fall."""
     small = [*ROWWISE_FP32, "--model.n_layers", "2", "--training.seq_len", "32", "--training.local_batch_size", "2"]
-    compiled = train(tmp_path / "compiled", *small, "--training.compile", steps=3).losses
-    eager = train(tmp_path / "eager", *small, steps=3).losses
+    small += ["--optimizer.lr", "3e-3"]
+    compiled = train(tmp_path / "compiled", *small, "--training.compile", steps=5).losses
+    eager = train(tmp_path / "eager", *small, steps=5).losses
     assert compiled[-1] < compiled[0]
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-3, atol=1e-3)
 
