@@ -38,7 +38,7 @@ def check_float8_environment(cfg: Float8) -> None:
     import torch
 
     if cfg.emulate or not torch.cuda.is_available():
-        return  # CPU: torch._scaled_mm has a CPU kernel, so float8 runs (slowly) without emulation
+        return  # CPU: torch._scaled_mm has a CPU kernel, so float8 runs (slowly); see check_cpu_float8
     minimum = MIN_ROCM_CAPABILITY if torch.version.hip else MIN_CUDA_CAPABILITY
     for i in range(torch.cuda.device_count()):
         cap = tuple(torch.cuda.get_device_capability(i))
@@ -48,3 +48,19 @@ def check_float8_environment(cfg: Float8) -> None:
                 f"no float8 matmuls (needs {minimum[0]}.{minimum[1]}+, e.g. H100, L4, MI300X); "
                 "add --float8.emulate to emulate them, or turn float8 off"
             )
+
+
+def check_cpu_float8(cfg: Float8) -> None:
+    """Training float8 on a CPU: the rowwise recipes need a CPU `_scaled_mm` that takes per-row scales (torch 2.11's
+    asserts per-tensor ones, torch 2.13's has them). Called by the Trainer on CPU only: a dry run plans for GPUs."""
+    if not cfg.enable_float8_linear or cfg.emulate or cfg.recipe == "tensorwise":
+        return
+    from trainer.internals import cpu_scaled_mm_supports_rowwise
+
+    if not cpu_scaled_mm_supports_rowwise():
+        import torch
+
+        raise ConfigError(
+            f"float8.recipe_name {cfg.recipe}: torch {torch.__version__}'s CPU float8 matmul takes per-tensor scales "
+            "only; use recipe_name tensorwise, add --float8.emulate, or torch >= 2.13 on a CPU"
+        )

@@ -12,6 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
+from trainer.internals import cpu_scaled_mm_supports_rowwise
+
 if TYPE_CHECKING:
     from trainer.train import Trainer
 
@@ -61,3 +65,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# torch 2.11's CPU float8 matmul takes per-tensor scales only: rowwise recipes train on a CPU from torch 2.13 on
+# (on GPUs with either). The oldest-torch leg (scripts/test_oldest_torch.sh) skips them; the main suite runs them.
+needs_cpu_rowwise = pytest.mark.skipif(
+    not cpu_scaled_mm_supports_rowwise(), reason="this torch's CPU _scaled_mm has no per-row scales (torch 2.11)"
+)

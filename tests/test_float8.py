@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from float8.converter import Float8Converter, build_float8_converter, too_small_to_gain
 from models import LLAMA3_FLAVORS, Transformer
-from tests.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT, open_trainer, run_trainer, tiny_run_args
+from tests.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT, needs_cpu_rowwise, open_trainer, run_trainer, tiny_run_args
 from tests.distributed import run_distributed
 from trainer.config import ConfigError, Float8, parse_args
 from trainer.train import Trainer
@@ -320,7 +320,14 @@ def bf16_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "tensorwise",
+        pytest.param("rowwise", marks=needs_cpu_rowwise),
+        pytest.param("rowwise_with_gw_hp", marks=needs_cpu_rowwise),
+    ],
+)
 def test_float8_recipe_tracks_bf16(
     recipe: str, bf16_losses: list[float], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -353,6 +360,7 @@ ROWWISE_FP32 += ["--training.mixed_precision_param", "float32"]
 
 
 @pytest.mark.slow
+@needs_cpu_rowwise
 def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: Path) -> None:
     """The seed's 1-GPU failure: rowwise with fp32 weights and no mixed precision. torchao>=0.18 asks the rowwise
     kernel for bf16 and upcasts, so this trains and tracks the bf16 run (measured: within 0.1%)."""
@@ -362,6 +370,7 @@ def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: 
 
 
 @pytest.mark.slow
+@needs_cpu_rowwise
 def test_rowwise_fp32_compiled_matches_eager(tmp_path: Path) -> None:
     """Same, with --training.compile (inductor, per block): 3 steps match eager. Compiling costs ~50 s of CPU
     on a cold cache, so the model is small (2 blocks: one compiled graph serves both; seq 32, batch 2) and the
@@ -429,3 +438,18 @@ def test_precompute_hook_sets_global_scales_under_fsdp(tmp_path: Path) -> None:
     results = run_distributed(_fsdp_precompute_rank, 2, str(tmp_path))
     assert results[0][0] == results[1][0] == 42
     assert results[0][1] == results[1][1] and all(math.isfinite(x) for x in results[0][1])
+
+
+def test_cpu_rowwise_needs_a_cpu_kernel_with_row_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch whose CPU _scaled_mm takes per-tensor scales only (2.11), a rowwise CPU run is a config error
+    naming the recipe and the ways out, not an internal assert at the first matmul."""
+    import trainer.internals
+    from float8.validation import check_cpu_float8
+
+    monkeypatch.setattr(trainer.internals, "cpu_scaled_mm_supports_rowwise", lambda: False)
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        with pytest.raises(ConfigError, match=f"float8.recipe_name {recipe}: torch .* per-tensor scales only"):
+            check_cpu_float8(Float8(enable_float8_linear=True, recipe_name=recipe))
+    check_cpu_float8(Float8(enable_float8_linear=True, recipe_name="tensorwise"))
+    check_cpu_float8(Float8(enable_float8_linear=True, recipe_name="rowwise", emulate=True))
+    check_cpu_float8(Float8(enable_float8_linear=False))

@@ -14,7 +14,7 @@ import torch.nn as nn
 import train
 import trainer.train as trainer_module
 from float8.checks import Float8UsageProbe
-from tests.common import DEBUG_CONFIG, free_port
+from tests.common import DEBUG_CONFIG, free_port, needs_cpu_rowwise
 from tests.sac_helpers import batch, debug_model, loss_fn
 from trainer.config import ConfigError, Float8
 
@@ -180,7 +180,7 @@ class _Converter:
     [
         ("noop", "none of the 43 Linears is a Float8Linear"),
         ("high_precision", "Float8Linear modules exist but no float8 matmul ran in the first step"),
-        ("rowwise", None),
+        pytest.param("rowwise", None, marks=needs_cpu_rowwise),
     ],
     ids=["noop_converter_exits_2", "high_precision_float8_linears_exit_2", "converted_trains"],
 )

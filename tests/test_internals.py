@@ -243,18 +243,18 @@ def test_cuda_memory_history_api() -> None:
 # ----------------------------------------------------------------------------- inductor config
 
 
-def test_inductor_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inductor_flags() -> None:
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
-    assert internals.emulate_precision_casts_enabled() is False
-    internals.enable_emulate_precision_casts()
-    assert internals.emulate_precision_casts_enabled() is True
+    # config.patch, not pytest's monkeypatch: on torch 2.11 monkeypatch's undo deletes inductor config keys.
+    with inductor_config.patch(emulate_precision_casts=False, _micro_pipeline_tp=False):
+        assert internals.emulate_precision_casts_enabled() is False
+        internals.enable_emulate_precision_casts()
+        assert internals.emulate_precision_casts_enabled() is True
+        assert inductor_config._micro_pipeline_tp is False  # the key exists (patch would have raised)
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     assert "group_name" in inspect.signature(enable_symm_mem_for_group).parameters
-    assert inductor_config._micro_pipeline_tp is False  # the key exists (monkeypatch would have raised)
 
 
 # ----------------------------------------------------------------------------- torchao float8 tensors
@@ -339,3 +339,17 @@ def test_the_rule_sees_private_uses(tmp_path: Path) -> None:
         "x = dist.distributed_c10d._set_pg_timeout\ny = t._local_tensor\nz = self._ok + aten._scaled_mm.default\n"
     )
     assert len(list(_private_uses(bad, "probe.py"))) == 4
+
+
+def test_cpu_scaled_mm_rowwise_probe() -> None:
+    """The probe agrees with the kernel: per-row scales work exactly when it says so (2.11: no; 2.13: yes)."""
+    a = torch.randn(32, 16).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 16).to(torch.float8_e4m3fn).t()
+    rowwise = {"scale_a": torch.ones(32, 1), "scale_b": torch.ones(1, 16), "out_dtype": torch.bfloat16}
+    if internals.cpu_scaled_mm_supports_rowwise():
+        assert torch._scaled_mm(a, b, **rowwise).shape == (32, 16)
+    else:
+        with pytest.raises(RuntimeError, match="per-tensor"):
+            torch._scaled_mm(a, b, **rowwise)
+    # Per-tensor scales work on both (tensorwise float8 on a CPU).
+    assert torch._scaled_mm(a, b, scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.bfloat16).shape

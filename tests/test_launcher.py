@@ -108,8 +108,18 @@ MISTAKES = [
     ),
     ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", False),
     ("dataset_name", ["--training.dataset", "nosuch"], "training.dataset: unknown dataset 'nosuch'", False),
-    ("dataset_record", ["--training.dataset_path", "{dir}/notext.jsonl"], "record 1 (line 1): no 'text' field (has: body)", False),
-    ("dataset_too_small", ["--training.dataset_path", "{dir}/tiny.jsonl"], "tiny.jsonl is too small to fill one sequence", False),
+    (
+        "dataset_record",
+        ["--training.dataset_path", "{dir}/notext.jsonl"],
+        "record 1 (line 1): no 'text' field (has: body)",
+        False,
+    ),
+    (
+        "dataset_too_small",
+        ["--training.dataset_path", "{dir}/tiny.jsonl"],
+        "tiny.jsonl is too small to fill one sequence",
+        False,
+    ),
     ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", False),
     (
         "checkpoint_model",

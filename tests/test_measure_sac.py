@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.common import HANG_TIMEOUT_S, ROOT
+from tests.common import HANG_TIMEOUT_S, ROOT, needs_cpu_rowwise
 
 
 def _kept(*flags: str) -> dict[str, str]:
@@ -25,6 +25,7 @@ def _kept(*flags: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@needs_cpu_rowwise
 def test_measure_sac_flags_change_the_save_list() -> None:
     default = _kept()
     assert "aten.amax.default" in default and "aten.abs.default" not in default, default

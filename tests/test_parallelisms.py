@@ -509,9 +509,7 @@ def test_tp_compile_without_fsdp_is_accepted() -> None:
         ("rowwise", False, False),
     ],
 )
-def test_rowwise_compile_turns_on_emulate_precision_casts(
-    monkeypatch: pytest.MonkeyPatch, recipe: str, compile: bool, expected: bool
-) -> None:
+def test_rowwise_compile_turns_on_emulate_precision_casts(recipe: str, compile: bool, expected: bool) -> None:
     """Building a float8 rowwise model with compile (the one build path, here through the dry run) sets inductor's
     emulate_precision_casts (pytorch#150859, as torchtitan does); tensorwise or eager leave it alone."""
     import torch._inductor.config as inductor_config
@@ -520,10 +518,11 @@ def test_rowwise_compile_turns_on_emulate_precision_casts(
     from trainer.internals import emulate_precision_casts_enabled
     from trainer.tools.dry_run import dry_run
 
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)  # process-wide: restored after
     argv = tiny_run_args("--job.dry_run", "--float8.enable_float8_linear", "--float8.recipe_name", recipe)
-    dry_run(parse_args(argv + (["--training.compile"] if compile else [])))
-    assert emulate_precision_casts_enabled() is expected
+    # Process-wide, so restored after; config.patch (pytest's monkeypatch deletes the key on torch 2.11).
+    with inductor_config.patch(emulate_precision_casts=False):
+        dry_run(parse_args(argv + (["--training.compile"] if compile else [])))
+        assert emulate_precision_casts_enabled() is expected
 
 
 def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyPatch) -> None:

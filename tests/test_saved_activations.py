@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.common import DEBUG_CONFIG
+from tests.common import DEBUG_CONFIG, needs_cpu_rowwise
 from tests.distributed import run_distributed
 from tests.sac_helpers import LAYERS, SAVE_LIST, aten, batch, debug_model, loss_fn
 from trainer.tools.saved_activations import (
@@ -52,7 +52,7 @@ def test_no_ac_keeps_more_than_per_op_sac(bf16_report: SavedActivationReport) ->
     assert no_ac.row("aten.silu") is not None and bf16_report.row("aten.silu") is None
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", [pytest.param("rowwise", marks=needs_cpu_rowwise), "tensorwise"])
 def test_float8_keeps_no_more_than_bf16_and_no_abs(bf16_report: SavedActivationReport, recipe: str) -> None:
     fp8 = report(recipe)
     assert check_ops_not_saved(fp8) == []
@@ -95,6 +95,7 @@ def _fsdp_rank() -> dict[str, tuple]:
 
 
 @pytest.mark.distributed
+@needs_cpu_rowwise
 def test_fsdp_two_ranks_rowwise_per_op_sac() -> None:
     for totals in run_distributed(_fsdp_rank, 2):
         good, bad = totals["torchtitan"], totals["with_abs"]

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from float8.converter import build_float8_converter
+from float8.validation import check_cpu_float8
 from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from parallelisms.parallelize import loss_parallel_enabled
@@ -79,6 +80,8 @@ class Trainer:
         # float8's environment checks (torchao version, GPU capability) fail fast, before any process group.
         self.float8 = build_float8_converter(cfg.float8)
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
+        if self.device.type == "cpu":
+            check_cpu_float8(cfg.float8)
         checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         if cfg.checkpoint.enable_checkpoint:  # a busy, read-only or non-directory folder fails now, not hours in
             self.checkpoint_claim = FolderClaim(checkpoint_folder)
