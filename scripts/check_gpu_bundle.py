@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "gpu_bundle" / "torchtitan"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BUNDLE))
+# The model flags of benchmarks/run.py's llama3_8b_8l preset (tests/test_benchmarks.py keeps the two equal).
+KILN_SHAPE = ["--job.config_file", "train_configs/llama3_8b.toml", "--model.n_layers", "8"]
+KILN_SHAPE += ["--model.vocab_size", "128256", "--training.seq_len", "8192", "--training.local_batch_size", "1"]
+KILN_SHAPE += ["--model.tokenizer_path", "assets/tokenizer/tokenizer.model"]
 
 
 def main() -> int:
@@ -50,13 +54,11 @@ def main() -> int:
     tt_args = dataclasses.replace(llama3_args["8B_8L"], max_seq_len=cfg.training.seq_len)
     with torch.device("meta"):
         tt_params = sum(p.numel() for p in TTTransformer(tt_args).parameters())
-    from benchmarks.run import PRESETS
     from models import Transformer
     from trainer.build import model_args
     from trainer.config import parse_args
 
-    preset = PRESETS["llama3_8b_8l"]
-    kiln_cfg = parse_args(["--job.config_file", preset["config"], *preset["args"]])
+    kiln_cfg = parse_args(KILN_SHAPE)
     args = model_args(kiln_cfg.model, kiln_cfg.training.seq_len, 2256)
     with torch.device("meta"):
         kiln_params = sum(p.numel() for p in Transformer(args).parameters())

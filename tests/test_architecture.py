@@ -60,7 +60,7 @@ def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.glob("**/*.py"):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", ".git") or rel.parts[0].startswith("."):
+        if rel.parts[0] in ("tests", ".git", "gpu_bundle") or rel.parts[0].startswith("."):  # gpu_bundle: generated
             continue
         name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         if rel.name == "__init__.py" and not _imports(path):

@@ -119,3 +119,15 @@ def test_torchtitan_step_line_parses() -> None:
     )
     m = run.TT_STEP.search(line)
     assert m and (m["step"], m["loss"], m["mem"], m["tps"], m["mfu"]) == ("5", "7.12345", "40.12", "1,234", "32.47%")
+
+
+def test_gpu_bundle_check_uses_the_presets_shape() -> None:
+    """scripts/check_gpu_bundle.py compares torchtitan's 8B_8L with kiln's llama3_8b_8l model built from its own copy
+    of the preset's shape flags (entry points do not import each other): the copy must match the preset."""
+    from scripts.check_gpu_bundle import KILN_SHAPE
+
+    preset = run.PRESETS["llama3_8b_8l"]
+    every = ["--job.config_file", preset["config"], *preset["args"]]
+    keys = ("--job.config_file", "--model.n_layers", "--model.vocab_size", "--training.seq_len")
+    for key in (*keys, "--training.local_batch_size"):
+        assert run._flag(KILN_SHAPE, key, "") == run._flag(every, key, "?"), key
