@@ -68,4 +68,5 @@ if [ $# -gt 0 ]; then
     exec "${pytest[@]}" "$@"
 fi
 "${pytest[@]}" "${INTERNALS_TESTS[@]}"
-"${pytest[@]}" -m "not slow and not distributed" "${CALLER_TESTS[@]}"
+# tracks_bf16: 20 bf16-autocast steps as the baseline, minutes on a CPU without bf16 units; the main suite runs it.
+"${pytest[@]}" -m "not slow and not distributed" -k "not tracks_bf16" "${CALLER_TESTS[@]}"
