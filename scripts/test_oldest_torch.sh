@@ -68,5 +68,8 @@ if [ $# -gt 0 ]; then
     exec "${pytest[@]}" "$@"
 fi
 "${pytest[@]}" "${INTERNALS_TESTS[@]}"
-# tracks_bf16: 20 bf16-autocast steps as the baseline, minutes on a CPU without bf16 units; the main suite runs it.
-"${pytest[@]}" -m "not slow and not distributed" -k "not tracks_bf16" "${CALLER_TESTS[@]}"
+# Left to the main suite: tracks_bf16 (20 bf16-autocast steps, minutes on a CPU without bf16 units) and the
+# test_parallelisms tests that share a 2-rank job (not marked distributed; it includes a rowwise run, which torch
+# 2.11's CPU kernel cannot do). test_internals.py runs the FSDP internals on 2 ranks here.
+SKIP="not tracks_bf16 and not match_single_process and not keeps_amax_not_abs and not on_two_ranks"
+"${pytest[@]}" -m "not slow and not distributed" -k "$SKIP" "${CALLER_TESTS[@]}"
