@@ -71,5 +71,5 @@ fi
 # Left to the main suite: tracks_bf16 (20 bf16-autocast steps, minutes on a CPU without bf16 units) and the
 # test_parallelisms tests that share a 2-rank job (not marked distributed; it includes a rowwise run, which torch
 # 2.11's CPU kernel cannot do). test_internals.py runs the FSDP internals on 2 ranks here.
-SKIP="not tracks_bf16 and not match_single_process and not keeps_amax_not_abs and not on_two_ranks"
+SKIP="not tracks_bf16 and not single_process and not keeps_amax_not_abs and not on_two_ranks"
 "${pytest[@]}" -m "not slow and not distributed" -k "$SKIP" "${CALLER_TESTS[@]}"
