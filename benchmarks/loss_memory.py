@@ -27,7 +27,7 @@ def _proc_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def measure(argv: list[str], compiled: bool) -> dict[str, float]:
+def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
     import torch
 
     from trainer.components.loss import build_loss_fn

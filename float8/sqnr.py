@@ -54,7 +54,7 @@ class Float8SQNRMonitor:
         self.skipped: set[str] = set()  # layers of the last logged step without a high-precision weight at hand
         self.handles = [m.register_forward_hook(self._measure) for m in self.modules.values()]
 
-    def _measure(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    def _measure(self, module: nn.Linear, inputs: tuple, output: torch.Tensor) -> None:
         if not self.active:
             return
         weight = _hp_weight(module.weight)

@@ -5,6 +5,7 @@ and checkpoints written for torchtitan apply unchanged. No distributed code live
 """
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -195,8 +196,8 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(emb.weight)
         for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights()
+            if layer is not None:  # a block, or its AC/compile wrapper (which forwards attributes)
+                cast(TransformerBlock, layer).init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if out is not None and (emb is None or out.weight is not emb.weight):

@@ -10,14 +10,16 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import ActivationCheckpoint
 from trainer.internals import checkpoint_wrapper, sac_op_output, tree_leaves
+
+if TYPE_CHECKING:
+    from models import Transformer
 
 aten = torch.ops.aten
 
@@ -95,7 +97,10 @@ def sac_context_fn(stats: SACStats | None = None, save_list: frozenset[Any] | No
 
 
 def apply_ac(
-    model: nn.Module, cfg: ActivationCheckpoint, stats: SACStats | None = None, save_list: frozenset[Any] | None = None
+    model: Transformer,
+    cfg: ActivationCheckpoint,
+    stats: SACStats | None = None,
+    save_list: frozenset[Any] | None = None,
 ) -> None:
     """Wrap transformer blocks in model.layers so their activations are recomputed in backward.
 

@@ -65,5 +65,5 @@ def enable_float8_tp_on_cpu() -> None:
             out = aten_op(data.view(torch.uint8), *args[1:], **(kwargs or {})).view(data.dtype)
             return float8_with_data(fp8, out)
 
-        all_gather_float8._kiln_uint8_on_cpu = True
+        all_gather_float8._kiln_uint8_on_cpu = True  # type: ignore[attr-defined]  # marks the table entry as kiln's
         table[op] = all_gather_float8

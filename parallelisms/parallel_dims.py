@@ -106,7 +106,7 @@ def validate_parallelism(
                 "(the TP overlap is an inductor pass)"
             )
     block_ac = ac is not None and (ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op"))
-    if dims.tp_enabled and training.compile and block_ac and device_type == "cpu":
+    if ac is not None and block_ac and dims.tp_enabled and training.compile and device_type == "cpu":
         # Known failure on the CPU build (torch 2.13), with FSDP too: a compiled TP block under whole-block
         # checkpointing fails in its first forward (AOTAutograd saves a DeviceMesh among the tensors for
         # backward). No AC and per-op SAC compile and train.

@@ -6,7 +6,7 @@ Order matters and follows torchtitan: (float8 conversion happens before this) ->
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,9 @@ from parallelisms.parallel_dims import ParallelDims
 from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
 from trainer.internals import enable_emulate_precision_casts, enable_micro_pipeline_tp
 
+if TYPE_CHECKING:
+    from models import Transformer
+
 logger = logging.getLogger("kiln")
 
 
@@ -37,7 +40,7 @@ def float8_tensorwise_tp(float8: Float8) -> bool:
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8_tensorwise: bool
+    model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool, float8_tensorwise: bool
 ) -> dict[str, ParallelStyle]:
     """Megatron-style TP with sequence parallel norms (torchtitan's plan).
 
@@ -92,7 +95,7 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     enable_micro_pipeline_tp(tp_mesh.get_group().group_name)
 
 
-def apply_compile(model: nn.Module, float8: Float8) -> None:
+def apply_compile(model: Transformer, float8: Float8) -> None:
     """Compile each transformer block separately: blocks are identical, so one graph serves all.
 
     Float8 rowwise recipes also turn on inductor's emulate_precision_casts (process-wide), as torchtitan does:
@@ -103,7 +106,7 @@ def apply_compile(model: nn.Module, float8: Float8) -> None:
         enable_emulate_precision_casts()
         logger.info("float8 rowwise + compile: inductor emulate_precision_casts on (pytorch#150859)")
     for name, block in model.layers.named_children():
-        compiled = torch.compile(block, fullgraph=True)
+        compiled = cast(nn.Module, torch.compile(block, fullgraph=True))  # an OptimizedModule
         # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
         compiled.register_forward_pre_hook(wait_async_collective_inputs)
         model.layers.register_module(name, compiled)
@@ -125,7 +128,7 @@ def wait_async_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tu
 
 
 def apply_fsdp(
-    model: nn.Module, parallel_dims: ParallelDims, training: Training, parallelism: Parallelism, float8: Float8
+    model: Transformer, parallel_dims: ParallelDims, training: Training, parallelism: Parallelism, float8: Float8
 ) -> None:
     """fully_shard each block, then the root; HSDP (replicate x shard) when dp_replicate > 1.
 
@@ -156,7 +159,7 @@ def apply_fsdp(
 
 
 def parallelize_llama(
-    model: nn.Module,
+    model: Transformer,
     parallel_dims: ParallelDims,
     training: Training,
     parallelism: Parallelism,

@@ -24,7 +24,7 @@ from trainer.errors import ConfigError
 
 @dataclass
 class BuiltModel:
-    model: nn.Module  # on the meta device, float8-converted and parallelized
+    model: Transformer  # on the meta device, float8-converted and parallelized
     args: ModelArgs
     n_params: int  # before sharding: the whole model's
     flops_per_token: float  # 6N + 12LHQT at the configured seq_len (MFU's numerator per token)

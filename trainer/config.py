@@ -17,10 +17,10 @@ import sys
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[no-redef]
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from trainer import torchtitan_compat
@@ -482,7 +482,8 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
         arg = argv[i]
         if not arg.startswith("--") or "." not in arg:
             raise ConfigError(f"unexpected argument '{arg}'; use --section.key value (see --help)")
-        name, eq, val = arg[2:].partition("=")
+        name, eq, text = arg[2:].partition("=")
+        val: str | None = text
         section, _, key = name.partition(".")
         i += 1
         if not eq:
@@ -701,8 +702,10 @@ def format_help() -> str:
     ]
     for sf in fields(JobConfig):
         lines.append(f"\n[{sf.name}]")
-        for f in fields(sf.default_factory()):
-            default = f.default if f.default is not MISSING else f.default_factory()
+        factory = sf.default_factory
+        assert callable(factory), sf.name  # every section is a default_factory field
+        for f in fields(factory()):
+            default = f.default_factory() if callable(f.default_factory) else f.default
             choices = f.metadata.get("choices")
             extra = f" {{{','.join(choices)}}}" if choices else ""
             lines.append(f"  --{sf.name}.{f.name}{extra}  (default: {default})\n      {f.metadata['help']}")

@@ -110,11 +110,11 @@ def capture_sac_caches() -> Iterator[list[Any]]:
         original_init(self, *args, **kwargs)
         modes.append(self)
 
-    cls.__init__ = init
+    cls.__init__ = init  # type: ignore[method-assign]  # patched for the block, restored below
     try:
         yield modes
     finally:
-        cls.__init__ = original_init
+        cls.__init__ = original_init  # type: ignore[method-assign]
 
 
 def sac_cached_tensors(modes: list[Any]) -> Iterator[torch.Tensor]:
@@ -197,6 +197,7 @@ def set_pg_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> No
 def pg_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     """The current timeout of a process group's CPU backend (gloo). Checked on torch 2.11.0, 2.13.0."""
     group = group or dist.group.WORLD
+    assert group is not None, "no default process group"
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
@@ -252,7 +253,7 @@ def enable_micro_pipeline_tp(group_name: str) -> None:
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(group_name)
+    enable_symm_mem_for_group(group_name)  # type: ignore[arg-type]  # GroupName: a NewType of str
 
 
 def enable_emulate_precision_casts() -> None:

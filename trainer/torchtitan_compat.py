@@ -712,7 +712,7 @@ def _translate(row: Key, raw: Any, where: str, convert: Convert) -> tuple[dict[s
     if row.choices and value is not None and value not in row.choices:
         raise ConfigError(f"{where}: '{value}' is not a valid choice; choose from {', '.join(row.choices)}")
     if isinstance(action, Ignore):
-        if not action.accept(value):
+        if action.accept is not None and not action.accept(value):
             raise ConfigError(f"{where} = {show(value)}: {action.offer}")
         return {}, f"{row.name} = {show(value)} ignored: {action.why}"
     assert isinstance(action, Map), row

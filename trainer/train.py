@@ -175,7 +175,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, int | str]) -> None:
         """Restore the step; refuse (CheckpointError) or warn about changed settings (trainer/components/resume.py)."""
         where = f"checkpoint {step_dir(self.checkpointer.folder, int(state['step']))}"
-        for line in check_resume(json.loads(state["settings"]), self.settings, where):
+        for line in check_resume(json.loads(str(state["settings"])), self.settings, where):
             logger.warning(line)
         self.step = int(state["step"])
 
@@ -226,7 +226,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
         )
-        self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used, for the log line
+        self.last_lr = float(self.lr_scheduler.get_last_lr()[0])  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:
             self.float8.post_optimizer_hook(self.model)

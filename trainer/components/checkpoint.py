@@ -24,8 +24,7 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -56,6 +55,9 @@ from trainer.components.checkpoint_reader import SafeFileSystemReader, UnsafeChe
 from trainer.config import Checkpoint
 from trainer.errors import CheckpointError
 from trainer.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 logger = logging.getLogger("kiln")
 
@@ -98,6 +100,10 @@ def plain_tensor(t: Any) -> Any:
         return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     inner = float8_weight_inner(t)
     return t if inner is None else inner
+
+
+def _is_dataclass_instance(obj: Any) -> TypeGuard[DataclassInstance]:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 class IncompleteCheckpointError(CheckpointError):
@@ -203,7 +209,7 @@ class CheckpointManager:
                     use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
                 )
             )
-        self._pending: tuple[Future, int, bool, float] | None = None
+        self._pending: tuple[Any, int, bool, float] | None = None  # (future, step, weights_only, t0)
 
     # ------------------------------------------------------------------ state dicts
 
@@ -234,7 +240,7 @@ class CheckpointManager:
             "dtype": dtype,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp_degree": getattr(loader, "dp_degree", None),
-            "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
+            "model_args": dataclasses.asdict(args) if _is_dataclass_instance(args) else None,
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
 
@@ -435,7 +441,7 @@ class CheckpointManager:
         self._prepare(name)
         tmp = os.path.join(self.folder, name + ".tmp")
         if background:
-            kwargs = {"async_stager": self._stager} if self._stager is not None else {}
+            kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
             result = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._pg, **kwargs)
             future = getattr(result, "upload_completion", result)  # AsyncSaveResponse with a custom stager
             self._pending = (future, step, weights_only, t0)

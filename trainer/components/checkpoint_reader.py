@@ -25,13 +25,13 @@ import io
 import os
 import pickle
 import re
-from concurrent.futures import Future
 from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from trainer.errors import CheckpointError
 
@@ -151,9 +151,9 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         md = self._metadata if self._metadata is not None and rank is None else load_metadata(self.path, rank)
         # As FileSystemReader.read_metadata does: checkpoints from older torch have no storage_meta.
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        md.storage_meta = storage_meta
         return md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -70,6 +70,7 @@ def _local_files(path: str) -> tuple[str, list[str]]:
             f"training.dataset_path: {path} must hold files of one format: .jsonl, .json, .parquet or .txt"
         )
     kind = kinds.pop()
+    assert kind is not None
     for f in files:
         _check_readable(f, kind)
     return kind, files

@@ -106,7 +106,7 @@ class MetricsLogger:
         self,
         cfg: Metrics,
         device: torch.device,
-        flops_per_token: int,
+        flops_per_token: float,
         tb_dir: str | None,
         is_logging_rank: bool,
         float8: bool = False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ class StopOnSignal:
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
         self.signals = signals
         self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, Any] = {}  # what signal.signal returned
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum)  # nothing else here: the step in flight must finish undisturbed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Mapping
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -55,7 +56,7 @@ def _tp_layout(module: nn.Module) -> str | None:
     """A module's TP layout read from its weight's placement on the 'tp' mesh dimension."""
     w = getattr(module, "weight", None)
     mesh = getattr(w, "device_mesh", None)
-    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+    if w is None or mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return None
     placement = w.placements[mesh.mesh_dim_names.index("tp")]
     if not placement.is_shard():
@@ -159,7 +160,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"(vocab {args.vocab_size}: {vocab_source})",
             f"parameters: {n_params:,}   FLOPs/token: {flops / 1e9:.2f} GFLOP (6N + 12LHQT, seq {t.seq_len})",
             f"simulated world: {world} = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}",
-            f"mesh: {dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape))}  (FSDP {on[dims.dp_shard_enabled]}, "
+            f"mesh: {dict(zip(dims.mesh.mesh_dim_names or (), dims.mesh.shape))}  (FSDP {on[dims.dp_shard_enabled]}, "
             f"HSDP {on[dims.dp_replicate_enabled]}, TP {on[dims.tp_enabled]})",
             *float8_lines,
             f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
@@ -207,7 +208,7 @@ def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons:
     ]
 
 
-def _tp_styles(model: nn.Module, plan: dict[str, object] | None) -> dict[str, str]:
+def _tp_styles(model: nn.Module, plan: Mapping[str, object] | None) -> dict[str, str]:
     """TP style per module: the plan's style class (when the parallelize seam returns it) + weight layout."""
     styles = {k: type(v).__name__ for k, v in (plan or {}).items()}
     for name, module in model.named_modules():
