@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -353,3 +354,17 @@ def test_cpu_scaled_mm_rowwise_probe() -> None:
             torch._scaled_mm(a, b, **rowwise)
     # Per-tensor scales work on both (tensorwise float8 on a CPU).
     assert torch._scaled_mm(a, b, scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.bfloat16).shape
+
+
+def test_partitioned_graphs_backend() -> None:
+    """Forward and backward graphs come back; the backward's non-tangent inputs are forward nodes (saved)."""
+    graphs: list[tuple[str, Any]] = []
+    f = torch.compile(lambda x: torch.sin(x).sum(), backend=internals.partitioned_graphs_backend(graphs))
+    x = torch.randn(8, requires_grad=True)
+    f(x).backward()
+    assert torch.allclose(x.grad, torch.cos(x))
+    kinds = [kind for kind, _ in graphs]
+    assert kinds == ["forward", "backward"]
+    fw_names = {n.name for n in graphs[0][1].graph.nodes}
+    saved = [n.name for n in graphs[1][1].graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    assert saved and set(saved) <= fw_names

@@ -115,3 +115,19 @@ def test_cli_report_runs_one_step_and_exits_0(tmp_path: Path, caplog: pytest.Log
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in text and "saved_activations_total_bytes: " in text
     assert "step:" not in text  # no training step logged
+
+
+@pytest.mark.slow
+@needs_cpu_rowwise
+def test_compiled_per_op_sac_saves_amax_not_abs() -> None:
+    """--training.compile + per-op SAC + float8: the compiled block (checkpoint wrapper inside torch.compile, as
+    apply_ac then apply_compile build it) carries kiln's policy (the amax op must-save, abs recompute) and its
+    forward saves amax results, never abs (read from the partitioned graphs; the eager report cannot see inside)."""
+    from trainer.tools.saved_activations import saved_ops_under_compile
+
+    scale_op = "aten.amax"  # rowwise: amax(abs(x), dim); tensorwise's max(abs(x)) is aten.max
+    model = debug_model("rowwise")
+    x = torch.randn(2, 64, model.model_args.dim, requires_grad=True)
+    found = saved_ops_under_compile(model.layers["0"], lambda block: block(x, model.freqs_cis[:64]).pow(2).mean())
+    assert found.must_save[scale_op] > 0 and found.recompute["aten.abs"] > 0 and found.must_save["aten.abs"] == 0
+    assert found.saved[scale_op] > 0 and found.saved["aten.abs"] == 0, found

@@ -391,3 +391,23 @@ def on_dynamo_compile(callback: Any) -> Iterator[None]:
 def is_compiled_module(module: Any) -> bool:
     """Whether `module` is torch.compile's wrapper (torch._dynamo.eval_frame.OptimizedModule; torch 2.11, 2.13)."""
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def partitioned_graphs_backend(graphs: list[tuple[str, Any]]) -> Any:
+    """A torch.compile backend that splits forward and backward with the min-cut partitioner inductor uses, runs
+    both graphs eagerly, and appends ("forward" | "backward", GraphModule) to `graphs`: the backward graph's
+    placeholders (other than `tangents_*`) are the tensors the forward saved, named after their forward nodes.
+    Checked on torch 2.11.0, 2.13.0 (`torch._dynamo.backends.common.aot_autograd`)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(kind: str) -> Any:
+        def compiler(gm: Any, _example_inputs: Any) -> Any:
+            graphs.append((kind, gm))
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(
+        fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition
+    )

@@ -16,13 +16,18 @@ under three observers:
 Tensors are deduplicated by storage, so views and tensors sharing memory count once, at the storage's
 full size (that is what stays allocated). Model parameters are listed but not counted: they are not
 activations. Everything here is per rank.
+
+Under torch.compile none of those observers sees inside a compiled region: AOTAutograd's partitioner decides
+what is saved there. `saved_ops_under_compile` reads that decision from the partitioned graphs instead.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -32,6 +37,7 @@ from trainer.internals import (
     TorchDispatchMode,
     capture_sac_caches,
     is_traceable_wrapper_subclass,
+    partitioned_graphs_backend,
     sac_cached_tensors,
     tensor_base,
     tree_leaves,
@@ -205,3 +211,40 @@ def check_float8_overhead(
         if r.op not in scale_ops and r.nbytes > report_hp.bytes_of(r.op)
     ]
     return [f"float8 keeps {excess:,} bytes more than high precision beyond {scales:,} of scales ({', '.join(grew)})"]
+
+
+@dataclass
+class CompiledSAC:
+    """What a compiled, per-op-SAC region keeps for backward, by producing op ("input": a forward input kept as
+    is), and the SAC policy the compiled forward graph carries (ops tagged must-save / recompute)."""
+
+    saved: Counter[str] = field(default_factory=Counter)
+    must_save: Counter[str] = field(default_factory=Counter)
+    recompute: Counter[str] = field(default_factory=Counter)
+
+
+def saved_ops_under_compile(module: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> CompiledSAC:
+    """Compile `module` (fullgraph) with the min-cut partitioner inductor uses, run `run(compiled)` (a forward
+    returning a loss) and its backward, and read what the compiled forward saves for backward (the backward
+    graph's inputs other than incoming gradients) and the SAC tags on the forward graph's nodes. Under compile
+    the partitioner saves only what backward needs: a must-save op whose output backward never reads (abs, read
+    only by amax) is not saved either way; the tags show that kiln's policy reached the graph."""
+    graphs: list[tuple[str, Any]] = []
+    compiled = cast(nn.Module, torch.compile(module, backend=partitioned_graphs_backend(graphs), fullgraph=True))
+    run(compiled).backward()
+    forwards = [gm for kind, gm in graphs if kind == "forward"]
+    backwards = [gm for kind, gm in graphs if kind == "backward"]
+    out = CompiledSAC()
+    for fw, bw in zip(forwards, backwards, strict=True):
+        producers = {node.name: node for node in fw.graph.nodes}
+        for node in fw.graph.nodes:
+            policy = node.meta.get("recompute")
+            if node.op == "call_function" and policy is not None:
+                tagged = out.must_save if policy.name.startswith("MUST_SAVE") else out.recompute
+                tagged[_op_name(node.target)] += 1
+        for node in bw.graph.nodes:
+            if node.op != "placeholder" or node.name.startswith("tangents"):
+                continue
+            producer = producers[node.name]
+            out.saved["input" if producer.op == "placeholder" else _op_name(producer.target)] += 1
+    return out
