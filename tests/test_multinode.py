@@ -228,7 +228,12 @@ def two_nodes(dump: Path, *args: str) -> str:
     """Both nodes to the end through the plain-host variables; node 0's output."""
     endpoint = f"localhost:{free_port()}"
     nodes = [Node(0, endpoint, dump, *args), Node(1, endpoint, dump, *args)]
-    results = [n.finish() for n in nodes]
+    try:
+        results = [n.finish() for n in nodes]
+    finally:  # one node failing leaves the other waiting in a collective: end it too
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.kill()
     for rc, out in results:
         assert rc == 0, out[-4000:]
     return "".join(out for _, out in results)
@@ -306,20 +311,15 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     timeout; its torchrun (MAX_RESTARTS=1) restarts the job when a replacement node 1 joins, from step-2."""
     dump2, straight = hsdp_two_nodes
     endpoint = f"localhost:{free_port()}"
-    node0 = Node(0, endpoint, tmp_path, *HSDP_FLOAT8, max_restarts=1)
-    node1 = Node(1, endpoint, tmp_path, *HSDP_FLOAT8, max_restarts=1)
-    node0.wait_for("step:  3 ")
-    node1.kill()
-    killed = time.monotonic()
-    detected, line = node0.wait_for("kiln: error: ")
-    print(f"detected {detected - killed:.1f} s after the kill: {line.strip()}")
-    assert detected - killed < COLLECTIVE_TIMEOUT_S
-    m = re.search(r"kiln: error: rank [01] stopped in step (\d+): lost ranks 2, 3 \(node 1, host \S+\); ", line)
-    assert m, line
-    stopped = int(m.group(1))
-    replacement = Node(1, endpoint, tmp_path, *HSDP_FLOAT8, max_restarts=1)
-    (rc0, out0), (rc1, out1) = node0.finish(), replacement.finish()
-    assert rc0 == 0 and rc1 == 0, out0[-4000:] + out1[-4000:]
+    started: list[Node] = []
+    try:
+        out0, stopped, line, detect_s = _kill_and_replace(endpoint, tmp_path, started)
+    finally:  # a failed check leaves no node behind (node 0 would wait for a replacement at the rendezvous)
+        for node in started:
+            if node.proc.poll() is None:
+                node.kill()
+    print(f"detected {detect_s:.1f} s after the kill: {line.strip()}")
+    assert detect_s < COLLECTIVE_TIMEOUT_S
     resume = 2 * ((stopped - 1) // 2)  # the newest checkpoint complete before the step that failed
     loaded = f"Loaded checkpoint {tmp_path / 'checkpoint' / f'step-{resume}'} (full state)"
     assert loaded in out0, out0[-4000:]
@@ -329,3 +329,22 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     assert_same_weights(final_weights(tmp_path), final_weights(dump2))
     # One line from the survivors (rank 0's; torchrun shows local rank 0 only), no traceback on node 0.
     assert out0.count("kiln: error: ") == 1 and "Traceback" not in out0, out0[-4000:]
+
+
+def _kill_and_replace(endpoint: str, dump: Path, started: list[Node]) -> tuple[str, int, str, float]:
+    """Kill node 1 once node 0 logged step 3, check node 0's line, start a replacement node 1, run to the end;
+    node 0's output, the step it stopped in, its line and the seconds from the kill to the line."""
+    node0 = Node(0, endpoint, dump, *HSDP_FLOAT8, max_restarts=1)
+    started.append(node0)
+    started.append(Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
+    node0.wait_for("step:  3 ")
+    started[1].kill()
+    killed = time.monotonic()
+    detected, line = node0.wait_for("kiln: error: ")
+    m = re.search(r"kiln: error: rank [01] stopped in step (\d+): lost ranks 2, 3 \(node 1, host \S+\); ", line)
+    assert m, line
+    replacement = Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1)
+    started.append(replacement)
+    (rc0, out0), (rc1, out1) = node0.finish(), replacement.finish()
+    assert rc0 == 0 and rc1 == 0, out0[-4000:] + out1[-4000:]
+    return out0, int(m.group(1)), line, detected - killed
