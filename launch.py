@@ -1,8 +1,21 @@
-"""The launcher behind run_train.sh: check the config for this node's world size, then torchrun train.py.
+"""The launcher behind run_train.sh: check the config for the whole world, then torchrun train.py on this node.
 
     CONFIG_FILE  TOML config (default: kiln's train_configs/debug_model.toml); --job.config_file in the arguments wins
     NGPU         processes on this node (default: the visible GPUs, else one CPU rank)
-    LOG_RANK     ranks whose output is shown (default: 0)
+    LOG_RANK     local ranks whose output each node shows; the same numbers as global ranks log metrics (default: 0)
+    MAX_RESTARTS torchrun's --max-restarts: how often a failed job (a lost node) restarts all ranks (default: 0)
+
+Several nodes: the same command on every node; the nodes meet at a c10d rendezvous. Under SLURM (SLURM_JOB_ID set,
+one task per node, e.g. scripts/slurm_train.sh) everything comes from SLURM: node count SLURM_NNODES, node rank
+SLURM_NODEID, job id SLURM_JOB_ID, endpoint the first host of SLURM_JOB_NODELIST on port RDZV_PORT (29500).
+Elsewhere, or to override SLURM's:
+
+    NNODES        number of nodes (default: 1, a local rendezvous)
+    NODE_RANK     this node's index; node 0 hosts the rendezvous store (default: whichever matches the endpoint)
+    RDZV_ENDPOINT host:port every node can reach, on node 0 (required with NNODES > 1 outside SLURM)
+    RDZV_ID       the job's id, the same on every node (default: SLURM_JOB_ID, else "kiln")
+
+The config is checked for NNODES x NGPU ranks on every node before torchrun starts.
 
 Every user mistake ends with exit status 2 and one line `kiln: error: ...` on stderr:
 
@@ -20,10 +33,16 @@ and the ranks' output streams live as before.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TextIO
 
+PEER_LOST_EXIT_CODE = 75  # trainer/components/dist.py: a rank saw others vanish (imported there with torch)
 KILN_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(KILN_DIR, "train_configs", "debug_model.toml")
 
@@ -62,6 +81,94 @@ def _nproc(value: str | None) -> int:
     return int(value)
 
 
+def _count(env: Mapping[str, str], name: str, default: int, minimum: int, what: str) -> int:
+    value = env.get(name, "")
+    if value == "":
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{name} must be {kind} integer ({what}), got '{value}'")
+    return int(value)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[003-004,9],cpu1" -> "gpu003" (`scontrol show hostnames` order)."""
+    depth, end = 0, len(nodelist)
+    for i, c in enumerate(nodelist):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            end = i
+            break
+    host = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], nodelist[:end].strip())
+    if not host or any(c in host for c in "[],"):
+        raise ValueError(f"SLURM_JOB_NODELIST '{nodelist}' is not a SLURM node list")
+    return host
+
+
+def _slurm_head_node(nodelist: str) -> str:
+    """`scontrol show hostnames` where SLURM's tools are installed (the authority), else `first_host`."""
+    if shutil.which("scontrol"):
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    return first_host(nodelist)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this node's torchrun meets the others."""
+
+    nnodes: int
+    node_rank: int | None  # None: torchrun decides which node hosts the rendezvous store (by host name)
+    endpoint: str  # host:port of the c10d rendezvous; "localhost:0" on one node (a free port)
+    rdzv_id: str
+    source: str  # where the layout came from, for the start-up line
+
+    def torchrun_args(self) -> list[str]:
+        args = ["--nnodes", str(self.nnodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", self.endpoint]
+        args += ["--rdzv_id", self.rdzv_id]
+        if self.node_rank is not None and self.nnodes > 1:
+            # Node 0 hosts the rendezvous store. torchrun would guess by matching the endpoint's host name, which
+            # cannot tell nodes apart when they share a host name (a test on one machine, containers).
+            args += ["--rdzv_conf", f"is_host={int(self.node_rank == 0)}"]
+        return args
+
+
+def node_layout(env: Mapping[str, str]) -> Nodes:
+    """NNODES / NODE_RANK / RDZV_ENDPOINT / RDZV_ID when set, else SLURM's, else one node (see the docstring)."""
+    slurm = env.get("SLURM_JOB_ID", "") != "" and env.get("SLURM_NNODES", "") != ""
+    if slurm and env.get("NNODES", "") == "":
+        tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+        if tasks and tasks != env["SLURM_STEP_NUM_NODES"]:
+            raise ValueError(
+                f"SLURM step has {tasks} tasks on {env['SLURM_STEP_NUM_NODES']} nodes: run one task per node "
+                "(srun --ntasks-per-node=1); torchrun starts the NGPU ranks of each node"
+            )
+        nnodes = _count(env, "SLURM_NNODES", 1, 1, "nodes")
+        node_rank = _count(env, "SLURM_NODEID", 0, 0, "this node's index")
+        port = _count(env, "RDZV_PORT", 29500, 1, "the rendezvous port")
+        endpoint = env.get("RDZV_ENDPOINT", "")
+        if not endpoint:  # one node: a free local port, so that jobs sharing a node never meet
+            head = _slurm_head_node(env.get("SLURM_JOB_NODELIST", "")) if nnodes > 1 else "localhost"
+            endpoint = f"{head}:{port if nnodes > 1 else 0}"
+        rdzv_id, source = env.get("RDZV_ID") or env["SLURM_JOB_ID"], "SLURM"
+    else:
+        nnodes = _count(env, "NNODES", 1, 1, "nodes")
+        node_rank = _count(env, "NODE_RANK", -1, 0, "this node's index")
+        node_rank = None if node_rank < 0 else node_rank
+        endpoint = env.get("RDZV_ENDPOINT", "")
+        if nnodes > 1 and not endpoint:
+            raise ValueError(f"NNODES={nnodes} needs RDZV_ENDPOINT=host:port (a port on node 0 every node reaches)")
+        endpoint = endpoint or "localhost:0"
+        rdzv_id, source = env.get("RDZV_ID") or env.get("SLURM_JOB_ID") or "kiln", "environment"
+    if node_rank is not None and node_rank >= nnodes:
+        raise ValueError(f"node rank {node_rank} must be in 0..{nnodes - 1} ({nnodes} nodes)")
+    host, _, port_text = endpoint.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ValueError(f"RDZV_ENDPOINT must be host:port, got '{endpoint}'")
+    return Nodes(nnodes, node_rank, endpoint, rdzv_id, source)
+
+
 def _log_ranks(value: str, nproc: int) -> str:
     ranks = value.split(",")
     if not all(r.isdigit() and int(r) < nproc for r in ranks):
@@ -88,14 +195,23 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     try:
         nproc = _nproc(os.environ.get("NGPU"))
         log_rank = _log_ranks(os.environ.get("LOG_RANK") or "0", nproc)
+        nodes = node_layout(os.environ)
+        max_restarts = _count(os.environ, "MAX_RESTARTS", 0, 0, "torchrun's restarts of a failed job")
     except ValueError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     # CONFIG_FILE first: parse_args takes the last --job.config_file, so one in argv wins.
     args = ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG, *argv]
-    status = train.check_config(args, world_size=nproc)
+    status = train.check_config(args, world_size=nodes.nnodes * nproc)  # every node checks the whole world
     if status:
         return status
+    if nodes.nnodes > 1:
+        where = "" if nodes.node_rank is None else f"node {nodes.node_rank} of "
+        print(
+            f"kiln: {where}{nodes.nnodes} nodes x {nproc} ranks ({nodes.source}), rendezvous {nodes.endpoint} "
+            f"id {nodes.rdzv_id}, max restarts {max_restarts}",
+            flush=True,
+        )
 
     os.environ["LOG_RANK"] = log_rank  # the Trainer logs metrics on these ranks
     os.environ["KILN_ERROR_FILE"] = error_file
@@ -106,25 +222,50 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     # one it waits for is descheduled. The debug run on a 2-core machine shared with other jobs took 4.5-7.7 min
     # with libgomp's default and 1.2-1.5 min with passive waiting (docs/performance.md). Yours to override.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if nodes.node_rank is not None:
+        os.environ["KILN_NODE_RANK"] = str(nodes.node_rank)  # the survivors of a lost node name it by this
+    if nodes.nnodes > 1:
+        # Each rendezvous round gets a fresh store for the ranks, kept by the new rank 0. By default torchrun keeps
+        # the first round's in the agent that was node 0 then: a restart after that node died waits for a store
+        # that is gone, and a replacement node never joins (seen in tests/test_multinode.py's kill test).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import parse_args, run
 
     torchrun_args = [
-        *("--nproc_per_node", str(nproc), "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"),
+        *("--nproc_per_node", str(nproc), *nodes.torchrun_args(), "--max_restarts", str(max_restarts)),
         *("--local-ranks-filter", log_rank, "--role", "rank", "--tee", "3"),
         os.path.join(KILN_DIR, "train.py"),
         *args,
     ]
     try:
         record(run)(parse_args(torchrun_args))  # record: torchrun's own failure summary, as `torchrun` has it
-    except ChildFailedError:
-        with open(error_file) as f:
-            first = f.readline().strip()
-        if not first:
-            raise  # not a user mistake: torchrun's report and exit status, unchanged
-        print(first, file=real_stderr)
-        return 2
+    except ChildFailedError as e:
+        status = failure_report(e, error_file, max_restarts, real_stderr)
+        if status is None:
+            raise  # not a user mistake nor a lost rank: torchrun's report and exit status, unchanged
+        return status
     return 0
+
+
+def failure_report(e: Exception, error_file: str, max_restarts: int, stream: TextIO) -> int | None:
+    """For torchrun's ChildFailedError `e`: print one line and return the exit status, or None to keep torchrun's
+    report. A user mistake (a rank wrote its line to `error_file`): that line, 2. Ranks that found others gone
+    (exit PEER_LOST_EXIT_CODE, their line printed live above) after the restarts are spent: one line, 75."""
+    with open(error_file) as f:
+        first = f.readline().strip()
+    if first:
+        print(first, file=stream)
+        return 2
+    _, root = e.get_first_failure()  # the first failure in time: the rank that saw the loss, not those torchrun stopped
+    if root.exitcode != PEER_LOST_EXIT_CODE:
+        return None
+    print(
+        f"kiln: error: the job lost ranks (the line above names them) and its restarts are spent "
+        f"(MAX_RESTARTS={max_restarts}); run it again to resume from the newest complete checkpoint",
+        file=stream,
+    )
+    return PEER_LOST_EXIT_CODE
 
 
 if __name__ == "__main__":

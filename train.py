@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
+    from trainer.train import Trainer
 
 
 def _setup_logging() -> None:
@@ -99,6 +101,7 @@ def _run(argv: list[str] | None, started: list) -> int:
 
             print(dry_run(cfg))
             return 0
+        from trainer.components.dist import PEER_LOST_EXIT_CODE
         from trainer.components.preemption import TrainingStopped
         from trainer.tools.guards import NonFiniteError
         from trainer.train import Trainer  # heavy imports only once the config is known to be good
@@ -118,9 +121,34 @@ def _run(argv: list[str] | None, started: list) -> int:
     except TrainingStopped as e:
         print(f"kiln: {e}", file=sys.stderr)
         return e.exit_code
+    except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
+        line = _lost_peers(trainer, e)
+        if line is None:  # no rank is gone: not a lost peer, the traceback is the report
+            raise
+        print(f"kiln: error: {line}", file=sys.stderr, flush=True)
+        return PEER_LOST_EXIT_CODE
     finally:
         trainer.close()
     return 0
+
+
+def _lost_peers(trainer: Trainer, e: Exception) -> str | None:
+    """One line when `e` came with the loss of other ranks (they stopped beating, trainer/components/dist.py):
+    which ranks and nodes, in which step, the backend's first line; None when every rank is alive."""
+    if trainer.peers is None:
+        return None
+    lost = trainer.peers.lost_ranks()  # waits a few seconds: long enough to tell a gone rank from a busy one
+    if lost == []:
+        return None
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = re.sub(r"^\[[^\]]*\] ", "", reason)  # gloo's "[.../pair.cc:537] " source position
+    reason = reason if len(reason) <= 160 else reason[:157] + "..."
+    rank = int(os.environ.get("RANK", 0))
+    return (
+        f"rank {rank} stopped in step {trainer.step}: "
+        f"{trainer.peers.describe(lost)}; a collective failed ({reason}); torchrun restarts the job "
+        "(MAX_RESTARTS) from the newest complete checkpoint"
+    )
 
 
 if __name__ == "__main__":

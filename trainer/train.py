@@ -26,7 +26,7 @@ from trainer.build import build_model
 from trainer.components.checkpoint import CheckpointManager, step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import build_dataloader, dataset_fingerprint
-from trainer.components.dist import init_distributed, set_determinism
+from trainer.components.dist import PeerWatch, init_distributed, set_determinism
 from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
@@ -67,12 +67,15 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.checkpoint_claim: FolderClaim | None = None
+        self.peers: PeerWatch | None = None
         try:
             self._build(cfg)
         except BaseException:
             # A failed start lets go of the checkpoint folder's lock at once (callers in the same process, tests).
             if self.checkpoint_claim is not None:
                 self.checkpoint_claim.release()
+            if self.peers is not None:
+                self.peers.close()
             raise
 
     def _build(self, cfg: JobConfig) -> None:
@@ -80,6 +83,7 @@ class Trainer:
         # float8's environment checks (torchao version, GPU capability) fail fast, before any process group.
         self.float8 = build_float8_converter(cfg.float8)
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
+        self.peers = PeerWatch.maybe_start()  # names the lost ranks when a collective fails (train.py)
         if self.device.type == "cpu":
             check_cpu_float8(cfg.float8)
         checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
@@ -300,6 +304,8 @@ class Trainer:
         logger.info("Training completed")
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.dataloader.close()
         self.checkpointer.close()
         self.metrics.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -56,3 +58,85 @@ def set_determinism(seed: int | None, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
+
+
+# A failed collective ends the run with this status (EX_TEMPFAIL, "try again"): the job lost a rank or a node, and
+# torchrun restarts it when its restart budget allows (launch.py, MAX_RESTARTS).
+PEER_LOST_EXIT_CODE = 75
+
+
+class PeerWatch:
+    """Tells the survivors of a failed collective which ranks are gone, so they can say so in one line.
+
+    Every rank bumps its own counter in the job's store (torchrun's TCPStore at MASTER_ADDR:MASTER_PORT) every
+    `interval` seconds from a daemon thread: one small TCP request per rank per second, off the training thread.
+    After a collective failed, `lost_ranks` reads every counter, waits `grace` seconds and reads them again: the
+    ranks whose counter did not move are gone (killed, or their node is down or cut off). A survivor still
+    blocked in a collective keeps beating (its thread is not blocked), so it is never named.
+    """
+
+    def __init__(self, rank: int, world_size: int, interval: float = 1.0, grace: float = 5.0) -> None:
+        self.rank, self.world_size, self.interval, self.grace = rank, world_size, interval, grace
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'kiln')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        self._prefix = f"kiln/{attempt}/beat/"  # a restarted job counts afresh
+        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        host, _, port = self.address.rpartition(":")
+        self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        # Where this rank runs, for the survivors' line: the launcher's node rank (NODE_RANK, SLURM_NODEID) and host.
+        node = os.environ.get("KILN_NODE_RANK")
+        where = (f"node {node}, " if node else "") + f"host {socket.gethostname()}"
+        self._store.set(f"{self._prefix}where/{rank}", where)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="kiln-peer-watch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def maybe_start(cls) -> PeerWatch | None:
+        """A watch when this process is one of several ranks started by torchrun, else None."""
+        if not dist.is_initialized() or dist.get_world_size() == 1 or "MASTER_ADDR" not in os.environ:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def _beat(self) -> None:
+        key = f"{self._prefix}{self.rank}"
+        while True:
+            try:
+                self._store.add(key, 1)
+            except (RuntimeError, dist.DistError):  # the store is gone: lost_ranks says so
+                return
+            if self._stop.wait(self.interval):
+                return
+
+    def node_of(self, rank: int) -> int:
+        """torchrun's index of the node of `rank` (its ranks are numbered contiguously per node); it need not be the
+        launcher's NODE_RANK: torchrun orders the nodes that met at the rendezvous itself."""
+        return rank // self.local_world_size
+
+    def lost_ranks(self) -> list[int] | None:
+        """The ranks that stopped beating (waits `grace` seconds); None when the store itself is unreachable."""
+        try:
+            before = [self._store.add(f"{self._prefix}{r}", 0) for r in range(self.world_size)]
+            time.sleep(self.grace)
+            after = [self._store.add(f"{self._prefix}{r}", 0) for r in range(self.world_size)]
+        except (RuntimeError, dist.DistError):
+            return None
+        return [r for r in range(self.world_size) if after[r] == before[r] and r != self.rank]
+
+    def describe(self, lost: list[int] | None) -> str:
+        """ "lost ranks 2, 3 (node 1, host gpu7)"; what an unreachable store means when `lost` is None."""
+        if lost is None:
+            return f"the job's store at {self.address}, kept by rank 0, is unreachable: rank 0's node is lost"
+        groups: dict[str, list[int]] = {}
+        for r in lost:
+            try:
+                where = self._store.get(f"{self._prefix}where/{r}").decode()
+            except (RuntimeError, dist.DistError):
+                where = "where unknown"
+            groups.setdefault(where, []).append(r)
+        parts = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} ({where})" for where, rs in groups.items()]
+        return "lost " + "; ".join(parts)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 1)
