@@ -210,6 +210,16 @@ def test_set_pg_timeout_changes_the_backend_timeout(world1: None) -> None:
     assert internals.pg_timeout() == timedelta(seconds=7)
 
 
+def test_collective_timeout_reaches_every_group(world1: None) -> None:
+    """FSDP and TP run on subgroups: the training timeout must reach them, not only the world."""
+    from trainer.components.dist import set_collective_timeout
+
+    sub = dist.new_group([0])
+    assert sub in internals.all_process_groups() and dist.group.WORLD in internals.all_process_groups()
+    set_collective_timeout(9)
+    assert internals.pg_timeout(sub) == internals.pg_timeout() == timedelta(seconds=9)
+
+
 def test_fake_process_group() -> None:
     internals.init_fake_process_group(8)
     try:

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.internals import set_pg_timeout
+from trainer.internals import all_process_groups, set_pg_timeout
 
 
 def _free_port() -> int:
@@ -45,9 +45,12 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """Set the world's collective timeout: long while steps may compile, short after (trainer/hooks.py)."""
+    """Set every process group's collective timeout: long while steps may compile, short after (trainer/hooks.py).
+    Every group, not only the world: FSDP and TP run on the device mesh's subgroups, and a rank whose peer froze
+    would otherwise wait in one of those without a deadline."""
     if dist.is_initialized():
-        set_pg_timeout(seconds)
+        for group in all_process_groups():
+            set_pg_timeout(seconds, group)
 
 
 def set_determinism(seed: int | None, deterministic: bool) -> None:
