@@ -9,6 +9,7 @@ tests/test_convert_hf.py keeps the hand-written reference forward as a second op
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -404,3 +405,23 @@ def test_trainer_starts_from_converted_checkpoint_and_refuses_other_rope(tmp_pat
     )
     assert proc.returncode == 2 and "rope_theta is 10000.0 there" in proc.stderr, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")] != []
+
+
+def test_checkpoints_saved_before_the_rope_fields_still_resume() -> None:
+    """A full checkpoint's stored model settings predate rope_scaling_factor, context_len...: missing fields take
+    their defaults (what the model computed then), so it resumes; a real change is still refused."""
+    from trainer.components.resume import check_resume
+    from trainer.errors import CheckpointError
+
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=VOCAB)
+    current = {"model": {k: v for k, v in dataclasses.asdict(args).items() if k not in ("max_seq_len", "depth_init")}}
+    current |= {k: None for k in ("data", "model.tokenizer", "training.seq_len", "training.steps", "optimizer.lr")}
+    current |= {k: None for k in ("lr_scheduler", "optimizer.name", "optimizer.beta1", "optimizer.beta2")}
+    current |= {k: None for k in ("optimizer.eps", "optimizer.weight_decay", "training.global_batch_size")}
+    current |= {"float8": None, "training.mixed_precision_param": None}
+    new_fields = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+    old = {**current, "model": {k: v for k, v in current["model"].items() if k not in (*new_fields, "context_len")}}
+    assert check_resume(old, current, "ckpt") == []
+    changed = {**current, "model": {**current["model"], "context_len": 131072}}
+    with pytest.raises(CheckpointError, match="context_len"):
+        check_resume(changed, current, "ckpt")
