@@ -53,7 +53,7 @@ def model_signature(args: ModelArgs) -> dict[str, Any]:
 def first_difference(a: ModelArgs, b: ModelArgs) -> tuple[str, Any, Any] | None:
     """The first field (of model_signature) where a and b differ, with a's and b's value; None when equal."""
     sa, sb = model_signature(a), model_signature(b)
-    for k in sa.keys() | sb.keys():
+    for k in [*sa, *(k for k in sb if k not in sa)]:  # in field order: the message names the first
         if sa.get(k) != sb.get(k):
             return k, sa.get(k), sb.get(k)
     return None

@@ -358,11 +358,18 @@ def save_hf_weights(
             out[name] = w.to(dtype) if dtype is not None else w
             weight_map[name] = file
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, file), 0o666 & ~_umask())  # safetensors creates its files 0600
         del out, tensors
     if len(plan) > 1:
         with open(os.path.join(out_dir, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return names
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it; put it back at once (scripts are single-threaded)
+    os.umask(mask)
+    return mask
 
 
 # ----------------------------------------------------------------------------- tokenizer and generation
