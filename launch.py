@@ -145,7 +145,7 @@ def node_layout(env: Mapping[str, str]) -> Nodes:
                 "(srun --ntasks-per-node=1); torchrun starts the NGPU ranks of each node"
             )
         nnodes = _count(env, "SLURM_NNODES", 1, 1, "nodes")
-        node_rank = _count(env, "SLURM_NODEID", 0, 0, "this node's index")
+        node_rank: int | None = _count(env, "SLURM_NODEID", 0, 0, "this node's index")
         port = _count(env, "RDZV_PORT", 29500, 1, "the rendezvous port")
         endpoint = env.get("RDZV_ENDPOINT", "")
         if not endpoint:  # one node: a free local port, so that jobs sharing a node never meet
@@ -154,8 +154,8 @@ def node_layout(env: Mapping[str, str]) -> Nodes:
         rdzv_id, source = env.get("RDZV_ID") or env["SLURM_JOB_ID"], "SLURM"
     else:
         nnodes = _count(env, "NNODES", 1, 1, "nodes")
-        node_rank = _count(env, "NODE_RANK", -1, 0, "this node's index")
-        node_rank = None if node_rank < 0 else node_rank
+        given_rank = _count(env, "NODE_RANK", -1, 0, "this node's index")
+        node_rank = None if given_rank < 0 else given_rank
         endpoint = env.get("RDZV_ENDPOINT", "")
         if nnodes > 1 and not endpoint:
             raise ValueError(f"NNODES={nnodes} needs RDZV_ENDPOINT=host:port (a port on node 0 every node reaches)")
@@ -241,14 +241,14 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     try:
         record(run)(parse_args(torchrun_args))  # record: torchrun's own failure summary, as `torchrun` has it
     except ChildFailedError as e:
-        status = failure_report(e, error_file, max_restarts, real_stderr)
-        if status is None:
+        reported = failure_report(e, error_file, max_restarts, real_stderr)
+        if reported is None:
             raise  # not a user mistake nor a lost rank: torchrun's report and exit status, unchanged
-        return status
+        return reported
     return 0
 
 
-def failure_report(e: Exception, error_file: str, max_restarts: int, stream: TextIO) -> int | None:
+def failure_report(e: Any, error_file: str, max_restarts: int, stream: TextIO) -> int | None:
     """For torchrun's ChildFailedError `e`: print one line and return the exit status, or None to keep torchrun's
     report. A user mistake (a rank wrote its line to `error_file`): that line, 2. Ranks that found others gone
     (exit PEER_LOST_EXIT_CODE, their line printed live above) after the restarts are spent: one line, 75."""

@@ -1,6 +1,7 @@
-"""Model hyper-parameters and the Llama 3 flavors (shapes identical to torchtitan's)."""
+"""Model hyper-parameters and the Llama 3 / 3.1 / 3.2 flavors (Meta's published shapes and rope settings)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 
 @dataclass
@@ -16,8 +17,13 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: bool = False  # Llama 3.1 long-context frequency scaling
+    rope_scaling: bool = False  # Llama 3.1 long-context frequency scaling ("llama3" rope type), settings below
+    rope_scaling_factor: float = 8.0  # low frequencies are divided by this (8 in Llama 3.1, 32 in Llama 3.2)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192  # the context the unscaled frequencies were trained for
     max_seq_len: int = 131072  # length of the precomputed RoPE table; the trainer sets it to its seq_len
+    context_len: int = 8192  # the context the model is made for (Hugging Face's max_position_embeddings)
     depth_init: bool = True  # output projections' init std shrinks with layer depth
     tie_word_embeddings: bool = False
 
@@ -28,6 +34,29 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)
     return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+def model_signature(args: ModelArgs) -> dict[str, Any]:
+    """What makes two ModelArgs the same trained model: every field but the RoPE table length and the init rule,
+    the FFN width instead of the two numbers that produce it, and the scaling settings only when scaling is on."""
+    out = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in ("max_seq_len", "depth_init")}
+    out["n_kv_heads"] = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+    out["ffn_hidden_dim"] = ffn_hidden_dim(args)
+    for k in ("multiple_of", "ffn_dim_multiplier"):
+        del out[k]
+    if not args.rope_scaling:
+        for k in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+            del out[k]
+    return out
+
+
+def first_difference(a: ModelArgs, b: ModelArgs) -> tuple[str, Any, Any] | None:
+    """The first field (of model_signature) where a and b differ, with a's and b's value; None when equal."""
+    sa, sb = model_signature(a), model_signature(b)
+    for k in [*sa, *(k for k in sb if k not in sa)]:  # in field order: the message names the first
+        if sa.get(k) != sb.get(k):
+            return k, sa.get(k), sb.get(k)
+    return None
 
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
@@ -60,3 +89,17 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         rope_theta=500000,
     ),
 }
+
+# Llama 3.1: the 3.0 shapes (405B is 3.1 only) with llama3 rope scaling (factor 8) and a 131072-token context.
+_LLAMA31: dict[str, Any] = {"rope_scaling": True, "rope_scaling_factor": 8.0, "context_len": 131072}
+LLAMA3_FLAVORS["3.1-8B"] = replace(LLAMA3_FLAVORS["8B"], **_LLAMA31)
+LLAMA3_FLAVORS["3.1-70B"] = replace(LLAMA3_FLAVORS["70B"], **_LLAMA31)
+LLAMA3_FLAVORS["3.1-405B"] = replace(LLAMA3_FLAVORS["405B"], **_LLAMA31)
+# Llama 3.2 text models: tied embeddings, rope scaling factor 32, 131072-token context (Meta's params.json).
+_LLAMA32: dict[str, Any] = {**_LLAMA31, "rope_scaling_factor": 32.0, "tie_word_embeddings": True, "rope_theta": 500000}
+LLAMA3_FLAVORS["3.2-1B"] = ModelArgs(
+    dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, **_LLAMA32
+)
+LLAMA3_FLAVORS["3.2-3B"] = ModelArgs(
+    dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, **_LLAMA32
+)

@@ -14,9 +14,10 @@ from torch import nn
 from models.args import ModelArgs, ffn_hidden_dim
 
 
-def _apply_rope_scaling(freqs: torch.Tensor) -> torch.Tensor:
-    """Llama 3.1 scaling: keep high frequencies, divide low ones by 8, interpolate in between."""
-    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8.0, 1.0, 4.0, 8192
+def _apply_rope_scaling(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1 scaling: keep high frequencies, divide low ones by the factor, interpolate in between."""
+    scale_factor, low_freq_factor = args.rope_scaling_factor, args.rope_low_freq_factor
+    high_freq_factor, old_context_len = args.rope_high_freq_factor, args.rope_original_max_seq_len
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / freqs
@@ -27,13 +28,15 @@ def _apply_rope_scaling(freqs: torch.Tensor) -> torch.Tensor:
 
 
 def precompute_freqs_cis(
-    dim: int, end: int, theta: float = 10000.0, scaling: bool = False, device: torch.device | None = None
+    dim: int, end: int, theta: float = 10000.0, scaling: ModelArgs | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Complex RoPE table of shape (end, dim // 2): entry [t, i] = exp(1j * t * theta**(-2i/dim))."""
+    """Complex RoPE table of shape (end, dim // 2): entry [t, i] = exp(1j * t * theta**(-2i/dim)).
+
+    `scaling`: the ModelArgs whose llama3 rope-scaling settings to apply; None for none."""
     # float32 explicitly: a bf16 default dtype would wreck the angles at large positions.
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
-    if scaling:
-        freqs = _apply_rope_scaling(freqs)
+    if scaling is not None:
+        freqs = _apply_rope_scaling(freqs, scaling)
     t = torch.arange(end, device=device, dtype=torch.float32)
     freqs = torch.outer(t, freqs)
     return torch.polar(torch.ones_like(freqs), freqs)
@@ -172,7 +175,7 @@ class Transformer(nn.Module):
     def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
         args = self.model_args
         return precompute_freqs_cis(
-            args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_scaling, device
+            args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args if args.rope_scaling else None, device
         )
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -1,7 +1,14 @@
 """Convert kiln checkpoints to Hugging Face Llama format (model.safetensors + config.json) and back.
 
     python scripts/convert_hf.py to_hf   CHECKPOINT HF_DIR [--dtype bfloat16] [--flavor debugmodel]
+                                         [--tokenizer assets/tokenizer/tokenizer.model] [--max_shard_size 5GB]
     python scripts/convert_hf.py from_hf HF_DIR CHECKPOINT_FOLDER [--step 0]
+
+to_hf writes config.json (transformers 4 and 5 keys, the model's true context length, bos/eos from the
+tokenizer), generation_config.json, tokenizer.json + tokenizer_config.json and the weights (shards with
+model.safetensors.index.json past --max_shard_size, one shard in memory at a time). from_hf refuses (exit 2,
+the field named) any config kiln cannot compute exactly. The Trainer can also start from an HF folder directly:
+--checkpoint.initial_load_path HF_DIR (docs/checkpoint.md).
 
 CHECKPOINT is a DCP step folder (`outputs/checkpoint/step-100`, full, or an export `export-step-100`) or a
 checkpoint folder (its highest complete step is used; an export wins a tie). Checkpoints are read through
@@ -11,7 +18,7 @@ writes a weights-only DCP checkpoint `CHECKPOINT_FOLDER/step-N` that
 kiln loads at start (`--checkpoint.enable_checkpoint --checkpoint.folder CHECKPOINT_FOLDER`) as its initial
 weights. Names map as in Hugging Face's convert_llama_weights_to_hf.py, including the q/k row permutation:
 kiln (like Meta's Llama) rotates interleaved pairs (x0,x1),(x2,x3)...; HF's Llama rotates the two halves of
-each head, so wq and wk rows are reordered per head. Only the model weights are converted.
+each head, so wq and wk rows are reordered per head (trainer/components/hf.py). Only model weights convert.
 """
 
 from __future__ import annotations
@@ -29,254 +36,146 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from models.args import LLAMA3_FLAVORS, ModelArgs, ffn_hidden_dim  # noqa: E402
+from models.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
+from trainer.components import checkpoint, hf  # noqa: E402
+from trainer.components.initial_load import stored_kiln_args  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch attribute names
-# Llama 3.1 RoPE scaling, as hard-coded in models/llama3.py (_apply_rope_scaling).
-ROPE_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-# kiln name (per layer: after "layers.N.") -> HF name (per layer: after "model.layers.N.")
-LAYER_KEYS = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+DEFAULT_TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
+
+# The conversion itself lives in trainer/components/hf.py (the Trainer's checkpoint.initial_load_path uses it).
+permute_to_hf, permute_from_hf = hf.permute_to_hf, hf.permute_from_hf
+kiln_to_hf, hf_to_kiln = hf.kiln_to_hf, hf.hf_to_kiln
+hf_config, args_from_hf_config = hf.hf_config, hf.args_from_hf_config
+resolve_step_dir = checkpoint.resolve_step_dir
 
 
-def _kv_heads(args: ModelArgs) -> int:
-    return args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+def _model_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """kiln name -> (shape, dtype) of every model weight in DCP checkpoint `path` (from its index only)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-
-def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Per head, rows (pair i, member j) -> (half j, index i): interleaved RoPE pairs -> rotate-half layout."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of permute_to_hf."""
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def kiln_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """kiln model state dict -> HF LlamaForCausalLM state dict (new tensors, same dtype)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, w in sd.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        if m and m.group(2) in LAYER_KEYS:
-            if m.group(2) == "attention.wq.weight":
-                w = permute_to_hf(w, args.n_heads)
-            elif m.group(2) == "attention.wk.weight":
-                w = permute_to_hf(w, _kv_heads(args))
-            out[f"model.layers.{m.group(1)}.{LAYER_KEYS[m.group(2)]}"] = w.contiguous()
-        elif key in TOP_KEYS:
-            out[TOP_KEYS[key]] = w.contiguous()
-        elif key == "output.weight":
-            if not args.tie_word_embeddings:  # HF ties by config; safetensors refuses shared storage
-                out["lm_head.weight"] = w.contiguous()
-        else:
-            raise ConfigError(f"no Hugging Face name for kiln weight '{key}'")
-    return out
-
-
-def hf_to_kiln(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM state dict -> kiln model state dict (inverse of kiln_to_hf)."""
-    layer_keys = {v: k for k, v in LAYER_KEYS.items()}
-    top_keys = {v: k for k, v in TOP_KEYS.items()}
-    out: dict[str, torch.Tensor] = {}
-    for key, w in sd.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
-        if m and m.group(2) in layer_keys:
-            name = layer_keys[m.group(2)]
-            if name == "attention.wq.weight":
-                w = permute_from_hf(w, args.n_heads)
-            elif name == "attention.wk.weight":
-                w = permute_from_hf(w, _kv_heads(args))
-            out[f"layers.{m.group(1)}.{name}"] = w.contiguous()
-        elif key in top_keys:
-            out[top_keys[key]] = w.contiguous()
-        elif key == "lm_head.weight":
-            out["output.weight"] = w.contiguous()
-        elif key.endswith("rotary_emb.inv_freq"):  # old HF exports carry this derived buffer
-            continue
-        else:
-            raise ConfigError(f"Hugging Face weight '{key}' has no kiln Llama3 counterpart")
-    if args.tie_word_embeddings or "output.weight" not in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
-
-
-def hf_config(args: ModelArgs, dtype: str) -> dict:
-    """config.json for transformers' LlamaForCausalLM."""
+    md = checkpoint.read_metadata(path)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": _kv_heads(args),
-        "head_dim": args.dim // args.n_heads,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": dict(ROPE_SCALING) if args.rope_scaling else None,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
+        k: (tuple(m.size), m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if checkpoint.is_model_key(k) and isinstance(m, TensorStorageMetadata)
     }
 
 
-def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
-    """ModelArgs whose shapes equal the HF config's (the FFN size through multiple_of / ffn_dim_multiplier)."""
+def _read(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """These model weights of DCP checkpoint `path` (no process group needed; only their bytes are read)."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.components.checkpoint_reader import SafeFileSystemReader
+
+    md = checkpoint.read_metadata(path)
+    meta = md.state_dict_metadata
+    sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    dcp.load(sd, storage_reader=SafeFileSystemReader(path, md), no_dist=True)
+    return sd
+
+
+def checkpoint_args(path: str, flavor: str | None, vocab: int) -> ModelArgs:
+    """The model shape of kiln step folder `path`: --flavor's (with the checkpoint's vocabulary), else kiln.json's."""
+    if flavor is not None:
+        return dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=vocab)
+    if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
+        raise ConfigError(f"{path} has no {checkpoint.MARKER} (not written by kiln?); pass --flavor to give the shape")
     try:
-        dim, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
-        scaling = cfg.get("rope_scaling")
-        if scaling and {k: scaling.get(k) for k in ROPE_SCALING} != ROPE_SCALING:
-            raise ConfigError(f"{where}: rope_scaling {scaling} is not Llama 3.1's, the only one kiln implements")
-        if cfg.get("head_dim", dim // heads) != dim // heads:
-            raise ConfigError(f"{where}: head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
-        base = int(2 * 4 * dim / 3)
-        args = ModelArgs(
-            dim=dim,
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=cfg.get("num_key_value_heads", heads),
-            vocab_size=cfg["vocab_size"],
-            multiple_of=inter,  # rounds the (scaled) 8/3*dim up to exactly `inter`
-            ffn_dim_multiplier=None if base <= inter else inter / base,
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=bool(scaling),
-            max_seq_len=cfg.get("max_position_embeddings", 8192),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        )
-    except KeyError as e:
-        raise ConfigError(f"{where}: missing key {e}") from None
-    assert ffn_hidden_dim(args) == inter, (ffn_hidden_dim(args), inter)
-    return args
-
-
-# ----------------------------------------------------------------------------- kiln checkpoints on disk
-
-
-def resolve_step_dir(path: str) -> str:
-    """A DCP step folder, or the highest complete `step-N` / `export-step-N` of a checkpoint folder."""
-    from trainer.components.checkpoint_folder import scan
-
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    done = [e for e in scan(path) if not e.tmp and e.has_metadata]
-    if not done:
-        raise ConfigError(f"{path}: not a DCP checkpoint (no .metadata) and no complete step-N folder in it")
-    return max(done, key=lambda e: (e.step, e.export)).path
+        return stored_kiln_args(path, path)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; pass --flavor") from None
 
 
 def load_kiln_weights(path: str, flavor: str | None = None) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """The model weights of a kiln DCP checkpoint (no process group needed) and the model's ModelArgs."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from trainer.components.checkpoint import MARKER, is_model_key, read_metadata
-    from trainer.components.checkpoint_reader import SafeFileSystemReader
-
-    md = read_metadata(path)
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in md.state_dict_metadata.items()
-        if is_model_key(k) and isinstance(m, TensorStorageMetadata)
-    }
-    if "tok_embeddings.weight" not in sd:
+    tensors = _model_tensors(path)
+    if "tok_embeddings.weight" not in tensors:
         raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln Llama3 checkpoint")
-    dcp.load(sd, storage_reader=SafeFileSystemReader(path, md), no_dist=True)
-    marker = os.path.join(path, MARKER)
-    if flavor is not None:
-        args = dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0])
-    elif os.path.isfile(marker):
-        with open(marker) as f:
-            saved = json.load(f).get("model_args")
-        if not saved:
-            raise ConfigError(f"{marker} has no model_args; pass --flavor")
-        args = ModelArgs(**saved)
-    else:
-        raise ConfigError(f"{path} has no {MARKER} (not written by kiln?); pass --flavor to give the model shape")
-    if sd["tok_embeddings.weight"].shape != (args.vocab_size, args.dim):
+    emb = tensors["tok_embeddings.weight"][0]
+    args = checkpoint_args(path, flavor, emb[0])
+    if emb != (args.vocab_size, args.dim):
         raise ConfigError(
-            f"{path}: tok_embeddings.weight {tuple(sd['tok_embeddings.weight'].shape)} does not match the model "
-            f"shape (vocab {args.vocab_size}, dim {args.dim})"
+            f"{path}: tok_embeddings.weight {emb} does not match the model shape "
+            f"(vocab {args.vocab_size}, dim {args.dim})"
         )
-    return sd, args
+    return _read(path, list(tensors)), args
 
 
 def save_kiln_weights(sd: dict[str, torch.Tensor], args: ModelArgs, folder: str, step: int) -> str:
     """Write a weights-only kiln checkpoint folder/step-N (atomically: .tmp, marker, rename)."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.components.checkpoint import MARKER, step_dir
-
-    final = step_dir(folder, step)
+    final = checkpoint.step_dir(folder, step)
     if os.path.exists(final):
         raise ConfigError(f"{final} already exists; not overwriting it")
     tmp = final + ".tmp"
     dcp.save(sd, checkpoint_id=tmp, no_dist=True)
     dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     marker = {"step": step, "model_weights_only": True, "dtype": dtype, "model_args": dataclasses.asdict(args)}
-    with open(os.path.join(tmp, MARKER), "w") as f:
+    with open(os.path.join(tmp, checkpoint.MARKER), "w") as f:
         json.dump(marker, f, indent=1)
     os.rename(tmp, final)
     return final
 
 
-def to_hf(checkpoint: str, out_dir: str, dtype: str | None, flavor: str | None) -> None:
-    from safetensors.torch import save_file
+def to_hf(
+    ckpt: str,
+    out_dir: str,
+    dtype: str | None,
+    flavor: str | None,
+    tokenizer_path: str = DEFAULT_TOKENIZER,
+    max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """kiln checkpoint -> HF folder: weights (sharded past max_shard_bytes, one shard in memory at a time),
+    config.json, generation_config.json and the tokenizer files."""
+    from trainer.components.tokenizer import Tokenizer
 
-    path = resolve_step_dir(checkpoint)
-    sd, args = load_kiln_weights(path, flavor)
-    hf = kiln_to_hf(sd, args)
-    if dtype is not None:
-        hf = {k: v.to(getattr(torch, dtype)) for k, v in hf.items()}
+    path = resolve_step_dir(ckpt)
+    tensors = _model_tensors(path)
+    if "tok_embeddings.weight" not in tensors:
+        raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln Llama3 checkpoint")
+    args = checkpoint_args(path, flavor, tensors["tok_embeddings.weight"][0][0])
+    try:
+        tok = Tokenizer(tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer: {e}") from None
+    if tok.n_words > args.vocab_size:
+        raise ConfigError(
+            f"--tokenizer {tokenizer_path} has {tok.n_words} tokens, more than the model's vocabulary "
+            f"{args.vocab_size}: not this model's tokenizer"
+        )
     os.makedirs(out_dir, exist_ok=True)
-    save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    saved_dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(args, saved_dtype), f, indent=2)
-    print(f"{path} -> {out_dir}: {len(hf)} tensors, {saved_dtype}")
+    torch_dtype = getattr(torch, dtype) if dtype is not None else None
+    files = hf.save_hf_weights(tensors, lambda keys: _read(path, keys), args, out_dir, torch_dtype, max_shard_bytes)
+    saved_dtype = dtype or str(next(iter(tensors.values()))[1]).removeprefix("torch.")
+    with open(os.path.join(out_dir, hf.CONFIG), "w") as f:
+        json.dump(hf.hf_config(args, saved_dtype, tok.bos_id, tok.eos_id), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(hf.generation_config(tok.bos_id, tok.eos_id), f, indent=2)
+    hf.write_tokenizer(tok, out_dir, args.context_len)
+    print(f"{path} -> {out_dir}: {len(files)} safetensors file(s), {saved_dtype}, tokenizer {tokenizer_path}")
 
 
 def from_hf(hf_dir: str, folder: str, step: int) -> None:
-    from safetensors.torch import load_file
-
-    config_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise ConfigError(f"{config_path}: not found")
-    with open(config_path) as f:
-        args = args_from_hf_config(json.load(f), config_path)
-    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ConfigError(f"{hf_dir}: no .safetensors files")
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:  # sharded exports (model-00001-of-00004.safetensors ...) are read whole
-        hf.update(load_file(os.path.join(hf_dir, name)))
-    final = save_kiln_weights(hf_to_kiln(hf, args), args, folder, step)
+    """HF folder -> weights-only kiln checkpoint folder/step-N (kiln.json holds the model's ModelArgs)."""
+    if not hf.is_hf_folder(hf_dir):
+        raise ConfigError(f"{os.path.join(hf_dir, hf.CONFIG)}: not found")
+    args = hf.read_hf_args(hf_dir)
+    sd = dict(hf.iter_hf_as_kiln(hf_dir, args))
+    if args.tie_word_embeddings or "output.weight" not in sd:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    final = save_kiln_weights(sd, args, folder, step)
     print(f"{hf_dir} -> {final}: weights-only kiln checkpoint")
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([KMG]?)B?", text.strip().upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"a size such as 5GB, 200MB or 1000000, got {text!r}")
+    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as saved)")
     p.add_argument("--flavor", choices=list(LLAMA3_FLAVORS), default=None, help="model shape if no kiln.json")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="the model's tiktoken file (default: bundled)")
+    p.add_argument("--max_shard_size", type=_size, default=hf.DEFAULT_MAX_SHARD_BYTES, help="e.g. 5GB (default)")
     p = sub.add_parser("from_hf", help="HF Llama folder -> weights-only kiln checkpoint FOLDER/step-N")
     p.add_argument("hf_dir")
     p.add_argument("folder")
@@ -295,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # offline use is the intent
     try:
         if a.command == "to_hf":
-            to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor)
+            to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor, a.tokenizer, a.max_shard_size)
         else:
             from_hf(a.hf_dir, a.folder, a.step)
     except UserError as e:  # config, checkpoint (damaged, refused as unsafe) mistakes

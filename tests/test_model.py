@@ -88,8 +88,8 @@ def test_gqa() -> None:
 
 def test_rope_scaling() -> None:
     head_dim, end = 128, 4
-    plain = precompute_freqs_cis(head_dim, end, 500000.0, scaling=False)
-    scaled = precompute_freqs_cis(head_dim, end, 500000.0, scaling=True)
+    plain = precompute_freqs_cis(head_dim, end, 500000.0, scaling=None)
+    scaled = precompute_freqs_cis(head_dim, end, 500000.0, scaling=LLAMA3_FLAVORS["3.1-8B"])
     assert plain.shape == scaled.shape == (end, head_dim // 2)
     # Angle at position 1 is the frequency itself.
     f_plain, f_scaled = plain[1].angle(), scaled[1].angle()

@@ -16,9 +16,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from float8.converter import Float8Converter
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
+from models.args import first_difference
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
-from trainer.config import JobConfig, Model
+from trainer.config import FROM_CHECKPOINT, JobConfig, Model
 from trainer.errors import ConfigError
 
 
@@ -32,24 +33,67 @@ class BuiltModel:
     tp_plan: dict[str, ParallelStyle]  # module FQN -> TP style applied; empty without TP
 
 
-def model_args(m: Model, seq_len: int, tokenizer_words: int) -> ModelArgs:
-    """The flavor's shape with the vocabulary from the tokenizer (or model.vocab_size) and model.n_layers."""
+def base_args(m: Model, stored: ModelArgs | None) -> ModelArgs:
+    """The flavor's ModelArgs, or with model.flavor from_checkpoint the stored ones (checkpoint.initial_load_path)."""
+    if m.flavor == FROM_CHECKPOINT:
+        assert stored is not None, "config validation requires checkpoint.initial_load_path with from_checkpoint"
+        return stored
+    return LLAMA3_FLAVORS[m.flavor]
+
+
+def model_args(
+    m: Model, seq_len: int, tokenizer_words: int, stored: ModelArgs | None = None, source: str = ""
+) -> ModelArgs:
+    """The flavor's shape with the vocabulary from the tokenizer (or model.vocab_size) and model.n_layers.
+
+    `stored`: the shape stored with checkpoint.initial_load_path (`source`). With model.flavor from_checkpoint it
+    is the shape (model.vocab_size / model.n_layers may only repeat it); with a named flavor, every field that
+    changes what the weights compute must equal it, or the first that differs is named."""
     if m.vocab_size is not None and m.vocab_size < tokenizer_words:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's {tokenizer_words} tokens")
+    if m.flavor == FROM_CHECKPOINT:
+        assert stored is not None, "config validation requires checkpoint.initial_load_path with from_checkpoint"
+        for key, ours, theirs in (
+            ("vocab_size", m.vocab_size, stored.vocab_size),
+            ("n_layers", m.n_layers, stored.n_layers),
+        ):
+            if ours is not None and ours != theirs:
+                raise ConfigError(f"model.{key} {ours} differs from {source}'s {theirs} (model.flavor from_checkpoint)")
+        if stored.vocab_size < tokenizer_words:
+            raise ConfigError(
+                f"{source} has a vocabulary of {stored.vocab_size}, smaller than model.tokenizer_path's "
+                f"{tokenizer_words} tokens: another tokenizer's model"
+            )
+        return dataclasses.replace(stored, max_seq_len=seq_len)
     flavor = LLAMA3_FLAVORS[m.flavor]
-    return dataclasses.replace(
+    args = dataclasses.replace(
         flavor,
         vocab_size=m.vocab_size or tokenizer_words,
         n_layers=m.n_layers or flavor.n_layers,
         max_seq_len=seq_len,
     )
+    if stored is not None:
+        diff = first_difference(stored, args)
+        if diff is not None:
+            field, there, here = diff
+            raise ConfigError(
+                f"checkpoint.initial_load_path {source} holds another model than model.flavor {m.flavor}: {field} is "
+                f"{there!r} there but {here!r} here; set model.flavor from_checkpoint to train the stored shape"
+            )
+    return args
 
 
 def build_model(
-    cfg: JobConfig, parallel_dims: ParallelDims, tokenizer_words: int, float8: Float8Converter | None
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    tokenizer_words: int,
+    float8: Float8Converter | None,
+    stored: ModelArgs | None = None,
+    source: str = "",
 ) -> BuiltModel:
-    """Build the configured model on the meta device, convert to float8 (if a converter is given), parallelize."""
-    args = model_args(cfg.model, cfg.training.seq_len, tokenizer_words)
+    """Build the configured model on the meta device, convert to float8 (if a converter is given), parallelize.
+    `stored`, `source`: the shape stored with checkpoint.initial_load_path and its path (see model_args)."""
+    args = model_args(cfg.model, cfg.training.seq_len, tokenizer_words, stored, source)
     with torch.device("meta"):
         model = Transformer(args)
     if float8 is not None:

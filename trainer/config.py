@@ -112,6 +112,9 @@ def resolve_mixed_precision(param: str, device_type: str) -> str:
     return "bfloat16" if device_type == "cuda" else "float32"
 
 
+FROM_CHECKPOINT = "from_checkpoint"  # model.flavor: build the shape stored with checkpoint.initial_load_path
+
+
 @dataclass
 class Job:
     config_file: str | None = _f(None, "TOML file to read; CLI flags override its values.")
@@ -124,7 +127,23 @@ class Job:
 @dataclass
 class Model:
     name: str = _f("llama3", "Model family.", ("llama3",))
-    flavor: str = _f("debugmodel", "Model size.", ("debugmodel", "8B", "70B", "405B"))
+    flavor: str = _f(
+        "debugmodel",
+        "Model shape: Llama 3 (8B, 70B, 405B), 3.1 (llama3 rope scaling, 131072 context), 3.2 (tied embeddings), or "
+        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json).",
+        (
+            "debugmodel",
+            "8B",
+            "70B",
+            "405B",
+            "3.1-8B",
+            "3.1-70B",
+            "3.1-405B",
+            "3.2-1B",
+            "3.2-3B",
+            FROM_CHECKPOINT,
+        ),
+    )
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
     n_layers: int | None = _f(
         None, "Override the flavor's layer count (benchmarks: 8B widths, fewer layers).", valid=AT_LEAST_1
@@ -227,6 +246,11 @@ class Checkpoint:
         valid=Range(lo=0, note="0 = keep all"),
     )
     async_mode: str = _f("disabled", "Save in the background.", ("disabled", "async", "async_with_pinned_mem"))
+    initial_load_path: str | None = _f(
+        None,
+        "Start from these weights when the checkpoint folder has nothing to resume: a Hugging Face Llama folder "
+        "(config.json + safetensors) or a kiln checkpoint (step folder or checkpoint folder; model only).",
+    )
     load_step: int = _f(
         -1, "Load this step instead of the latest (-1 = latest).", valid=Range(lo=0, also=(-1,), note="-1 = latest")
     )
@@ -443,6 +467,8 @@ def _resolve_paths(cfg: JobConfig) -> None:
     cfg.model.tokenizer_path = resolve_input_path(cfg.model.tokenizer_path)
     if cfg.training.dataset_path is not None:
         cfg.training.dataset_path = resolve_input_path(cfg.training.dataset_path)
+    if cfg.checkpoint.initial_load_path is not None:
+        cfg.checkpoint.initial_load_path = resolve_output_path(cfg.checkpoint.initial_load_path)
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -577,6 +603,15 @@ def validate(cfg: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
     _validate_float8(cfg.float8)
+    src = cfg.checkpoint.initial_load_path
+    _check(
+        cfg.model.flavor != FROM_CHECKPOINT or src is not None,
+        "model.flavor from_checkpoint builds the shape stored with checkpoint.initial_load_path, which is not set",
+    )
+    _check(
+        src is None or os.path.isdir(src),
+        f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
+    )
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(
             os.path.isfile(cfg.model.tokenizer_path),

@@ -404,25 +404,29 @@ ROWS_LIST: tuple[Key, ...] = (
     rename("checkpoint.enable", V02, bool, "checkpoint.enable_checkpoint"),
     honour("checkpoint.folder", ALL),
     honour("checkpoint.interval", ALL),
-    ignore_if(
+    honour(
         "checkpoint.initial_load_path",
         ALL,
-        str | None,
-        (None,),
-        OFF,
-        "kiln loads the latest checkpoint in job.dump_folder/checkpoint.folder; put the weights there "
-        "(scripts/convert_hf.py from_hf writes an HF model as one)",
+        "a kiln checkpoint or, as with torchtitan's initial_load_in_hf, a Hugging Face folder (recognised by its "
+        "config.json); model weights only",
     ),
-    ignore_any("checkpoint.initial_load_model_weights_only", V010, "only read with checkpoint.initial_load_path"),
-    ignore_any("checkpoint.initial_load_model_only", V02, "only read with checkpoint.initial_load_path"),
     ignore_if(
-        "checkpoint.initial_load_in_hf",
+        "checkpoint.initial_load_model_weights_only",
+        V010,
+        bool,
+        (True,),
+        "kiln loads model weights only from checkpoint.initial_load_path",
+        "to resume a full state, put the checkpoint in checkpoint.folder",
+    ),
+    ignore_if(
+        "checkpoint.initial_load_model_only",
         V02,
         bool,
-        (False,),
-        OFF,
-        "convert the HF model first: scripts/convert_hf.py from_hf HF_DIR CHECKPOINT_FOLDER",
+        (True,),
+        "kiln loads model weights only from checkpoint.initial_load_path",
+        "to resume a full state, put the checkpoint in checkpoint.folder",
     ),
+    ignore_any("checkpoint.initial_load_in_hf", V02, "kiln recognises a Hugging Face folder by its config.json"),
     ignore_if(
         "checkpoint.initial_load_in_hf_quantized",
         V02,
@@ -439,7 +443,7 @@ ROWS_LIST: tuple[Key, ...] = (
         bool,
         (False,),
         OFF,
-        "export after training: scripts/convert_hf.py to_hf CHECKPOINT HF_DIR",
+        "export after training: scripts/convert_hf.py to_hf CHECKPOINT HF_DIR (config, tokenizer, shards)",
     ),
     honour("checkpoint.export_dtype", ALL),
     ignore_if(

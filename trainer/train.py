@@ -19,14 +19,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from float8.converter import build_float8_converter
 from float8.validation import check_cpu_float8
-from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims, validate_parallelism
 from parallelisms.parallelize import loss_parallel_enabled
-from trainer.build import build_model
+from trainer.build import base_args, build_model
 from trainer.components.checkpoint import CheckpointManager, step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import build_dataloader, dataset_fingerprint
 from trainer.components.dist import PeerWatch, init_distributed, set_determinism
+from trainer.components.initial_load import check_not_inside, load_initial, open_source
 from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
@@ -89,6 +89,10 @@ class Trainer:
         checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         if cfg.checkpoint.enable_checkpoint:  # a busy, read-only or non-directory folder fails now, not hours in
             self.checkpoint_claim = FolderClaim(checkpoint_folder)
+        # checkpoint.initial_load_path: its stored shape is read now (and checked against the flavor at build).
+        source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
+        if source is not None and cfg.checkpoint.enable_checkpoint:
+            check_not_inside(source, checkpoint_folder)
         p = cfg.parallelism
         self.parallel_dims = ParallelDims(
             p.data_parallel_replicate_degree,
@@ -97,7 +101,12 @@ class Trainer:
             dist.get_world_size(),
         )
         validate_parallelism(
-            self.parallel_dims, LLAMA3_FLAVORS[cfg.model.flavor], t, p, self.device.type, cfg.activation_checkpoint
+            self.parallel_dims,
+            base_args(cfg.model, source.args if source else None),
+            t,
+            p,
+            self.device.type,
+            cfg.activation_checkpoint,
         )
         self.parallel_dims.build_mesh(self.device.type)
         dp_degree, dp_rank = self.parallel_dims.dp_degree, self.parallel_dims.dp_mesh.get_local_rank()
@@ -110,7 +119,14 @@ class Trainer:
             raise ConfigError(f"model.tokenizer_path: {e}") from None
         self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree, pin_memory=self.device.type == "cuda")
 
-        built = build_model(cfg, self.parallel_dims, self.tokenizer.n_words, self.float8)
+        built = build_model(
+            cfg,
+            self.parallel_dims,
+            self.tokenizer.n_words,
+            self.float8,
+            source.args if source else None,
+            source.path if source else "",
+        )
         model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
         logger.info(
             f"Model llama3 {cfg.model.flavor}: {built.args.n_layers} layers, {built.n_params:,} params, "
@@ -156,6 +172,10 @@ class Trainer:
             claim=self.checkpoint_claim,
         )
         self.step = self.checkpointer.load(last_step=t.steps)  # a full checkpoint also checks self.settings
+        if source is not None and self.checkpointer.loaded is None:  # nothing of this run's to resume
+            load_initial(source, model)
+        elif self.checkpointer.loaded is None:
+            logger.info("Training from scratch (freshly initialised weights)")
         if self.step > 0:
             old_lr, new_lr = apply_config_hyperparameters(self.optimizer, self.lr_scheduler)
             if old_lr != new_lr:

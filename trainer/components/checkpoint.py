@@ -82,6 +82,35 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def resolve_step_dir(path: str) -> str:
+    """A DCP step folder, or the highest complete `step-N` / `export-step-N` of a checkpoint folder."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    done = [e for e in scan(path) if not e.tmp and e.has_metadata] if os.path.isdir(path) else []
+    if not done:
+        raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata) and no complete step-N folder in it")
+    return max(done, key=lambda e: (e.step, e.export)).path
+
+
+def check_stored_args(entry: Entry, model: Any) -> None:
+    """A weights-only step-N's stored ModelArgs (kiln.json) must be the model's: same shapes are not enough
+    (rope_theta, norm_eps, rope scaling change what the weights compute)."""
+    from models.args import ModelArgs, first_difference
+
+    saved = (entry.marker() or {}).get("model_args")
+    ours = getattr(model, "model_args", None)
+    if not isinstance(saved, dict) or ours is None:
+        return
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    diff = first_difference(ModelArgs(**{k: v for k, v in saved.items() if k in known}), ours)
+    if diff is not None:
+        field, there, here = diff
+        raise CheckpointError(
+            f"checkpoint {entry.path} holds another model: {field} is {there!r} there but {here!r} in this one "
+            "(model.flavor); train it with checkpoint.initial_load_path and model.flavor = from_checkpoint"
+        )
+
+
 def plain_tensor(t: Any) -> Any:
     """A tensor with torchao's float8 weight wrapper removed (same storage), anything else unchanged.
 
@@ -210,6 +239,7 @@ class CheckpointManager:
                 )
             )
         self._pending: tuple[Any, int, bool, float] | None = None  # (future, step, weights_only, t0)
+        self.loaded: str | None = None  # the checkpoint load() loaded, None when it found none
 
     # ------------------------------------------------------------------ state dicts
 
@@ -347,11 +377,13 @@ class CheckpointManager:
         chosen = self._requested(entries) if self.cfg.load_step >= 0 else self._latest(entries)
         if chosen is None:
             self._check_planned_saves(entries, 0, last_step)
-            logger.info(f"No checkpoint in {self.folder}: training from scratch")
+            logger.info(f"No checkpoint in {self.folder} to resume")
             self._remove_killed_saves()
             return 0
         entry, md, weights_only = chosen
         path = entry.path
+        if weights_only:
+            check_stored_args(entry, self.states[MODEL])
         self._check_planned_saves(entries, 0 if weights_only else entry.step, last_step)
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
@@ -375,6 +407,7 @@ class CheckpointManager:
                 elif name != MODEL:
                     obj.load_state_dict(sd[name])
         self._remove_killed_saves()
+        self.loaded = path
         kind = "model weights only; training starts at step 0" if weights_only else "full state"
         logger.info(f"Loaded checkpoint {path} ({kind}) in {time.perf_counter() - t0:.2f} s")
         return int(sd[TRAIN_STATE]["step"]) if TRAIN_STATE in sd else 0

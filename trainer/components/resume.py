@@ -92,6 +92,9 @@ def _difference(old: Any, new: Any) -> str:
 
 def check_resume(saved: dict[str, Any], current: dict[str, Any], where: str) -> list[str]:
     """Raise CheckpointError for a refused change; return one warning line per handled or warned change."""
+    if isinstance(saved.get("model"), dict):  # fields added to ModelArgs since the save take their defaults
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs) if f.name not in _INIT_ONLY}
+        saved = {**saved, "model": {**defaults, **saved["model"]}}
     for key, why in REFUSED.items():
         if saved.get(key) != current[key]:
             raise CheckpointError(

@@ -75,6 +75,7 @@ class Tokenizer:
         """Load the BPE ranks at `model_path`; specials get ids right after the base vocab."""
         self.model_path = model_path
         mergeable_ranks = _load_ranks(model_path)
+        self.mergeable_ranks: dict[bytes, int] = mergeable_ranks  # token bytes -> rank (id); exported to HF
         num_base_tokens = len(mergeable_ranks)
         self.special_tokens: dict[str, int] = {token: num_base_tokens + i for i, token in enumerate(SPECIAL_TOKENS)}
         try:

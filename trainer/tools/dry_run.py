@@ -26,6 +26,7 @@ from float8.converter import build_float8_converter, is_float8_linear
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
 from trainer.build import build_model
+from trainer.components.initial_load import open_source
 from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, resolve_mixed_precision
 from trainer.internals import init_fake_process_group, unwrapped_fqn
 
@@ -149,7 +150,9 @@ def dry_run(cfg: JobConfig) -> str:
         dims.build_mesh("cpu")
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
         converter = build_float8_converter(f8)
-        built = build_model(cfg, dims, vocab, converter)
+        path = cfg.checkpoint.initial_load_path
+        source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
+        built = build_model(cfg, dims, vocab, converter, source.args if source else None, path or "")
         model, args, plan = built.model, built.args, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
         n_params, flops = built.n_params, built.flops_per_token

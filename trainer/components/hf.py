@@ -1,0 +1,485 @@
+"""Hugging Face Llama <-> kiln, exactly or not at all.
+
+- config.json <-> ModelArgs: transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) configs,
+  rope types `default` and `llama3`, tied embeddings, `head_dim`, `rms_norm_eps`. Anything kiln's Llama cannot
+  compute exactly (other rope types, biases, sliding window, another architecture) is a ConfigError naming the
+  field: a silently different model is worse than none.
+- Weight names as in Hugging Face's convert_llama_weights_to_hf.py, with the q/k row permutation: kiln (like
+  Meta's Llama) rotates interleaved pairs (x0,x1),(x2,x3)...; HF's Llama rotates the two halves of each head.
+- Weights: safetensors read one tensor at a time (one file, or shards with `model.safetensors.index.json`), and
+  written in shards with an index, one shard in memory at a time.
+- The tokenizer: tokenizer.json (byte-level BPE, Llama 3's split pattern, the merges recovered from the tiktoken
+  ranks) and tokenizer_config.json, so `AutoTokenizer.from_pretrained` encodes as kiln's Tokenizer;
+  generation_config.json with kiln's bos/eos ids.
+
+Used by scripts/convert_hf.py and by the Trainer's `checkpoint.initial_load_path`. No transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from models.args import ModelArgs, ffn_hidden_dim
+from trainer.components.tokenizer import PAT_STR, Tokenizer
+from trainer.errors import ConfigError
+
+CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default is 5 GB shards
+# kiln name (per layer: after "layers.N.") -> HF name (per layer: after "model.layers.N.")
+LAYER_KEYS = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+_FROM_HF_LAYER = {v: k for k, v in LAYER_KEYS.items()}
+_FROM_HF_TOP = {v: k for k, v in TOP_KEYS.items()}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def kv_heads(args: ModelArgs) -> int:
+    return args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+
+
+def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Per head, rows (pair i, member j) -> (half j, index i): interleaved RoPE pairs -> rotate-half layout."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of permute_to_hf."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def hf_name(key: str, args: ModelArgs) -> str | None:
+    """The HF name of kiln weight `key`; None for the output layer of a tied model (HF ties it by config)."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+    if m and m.group(2) in LAYER_KEYS:
+        return f"model.layers.{m.group(1)}.{LAYER_KEYS[m.group(2)]}"
+    if key in TOP_KEYS:
+        return TOP_KEYS[key]
+    if key == "output.weight":
+        return None if args.tie_word_embeddings else "lm_head.weight"
+    raise ConfigError(f"no Hugging Face name for kiln weight '{key}'")
+
+
+def to_hf_tensor(key: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """kiln weight `key` in HF's layout (q/k rows permuted per head), contiguous."""
+    if key.endswith("attention.wq.weight"):
+        w = permute_to_hf(w, args.n_heads)
+    elif key.endswith("attention.wk.weight"):
+        w = permute_to_hf(w, kv_heads(args))
+    return w.contiguous()
+
+
+def kiln_name(key: str) -> str | None:
+    """The kiln name of HF weight `key`; None for derived buffers old exports carry (rotary inv_freq)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
+    if m and m.group(2) in _FROM_HF_LAYER:
+        return f"layers.{m.group(1)}.{_FROM_HF_LAYER[m.group(2)]}"
+    if key in _FROM_HF_TOP:
+        return _FROM_HF_TOP[key]
+    if key == "lm_head.weight":
+        return "output.weight"
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    raise ConfigError(f"Hugging Face weight '{key}' has no kiln Llama3 counterpart")
+
+
+def from_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """HF weight in kiln's layout (inverse of to_hf_tensor); `name` is the kiln name."""
+    if name.endswith("attention.wq.weight"):
+        w = permute_from_hf(w, args.n_heads)
+    elif name.endswith("attention.wk.weight"):
+        w = permute_from_hf(w, kv_heads(args))
+    return w.contiguous()
+
+
+def kiln_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """kiln model state dict -> HF LlamaForCausalLM state dict (new tensors, same dtype)."""
+    out = {}
+    for key, w in sd.items():
+        name = hf_name(key, args)
+        if name is not None:
+            out[name] = to_hf_tensor(key, w, args)
+    return out
+
+
+def hf_to_kiln(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF LlamaForCausalLM state dict -> kiln model state dict (inverse of kiln_to_hf)."""
+    out = {}
+    for key, w in sd.items():
+        name = kiln_name(key)
+        if name is not None:
+            out[name] = from_hf_tensor(name, w, args)
+    if args.tie_word_embeddings or "output.weight" not in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def _refuse(where: str, field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{where}: {field} = {json.dumps(value)}: {why}; kiln's Llama cannot compute it exactly")
+
+
+def _rope(cfg: dict, where: str) -> dict[str, Any]:
+    """ModelArgs' rope fields from transformers 5's `rope_parameters` or transformers 4's `rope_theta` +
+    `rope_scaling` (whose type key is `rope_type`, or `type` in older files)."""
+    if isinstance(cfg.get("rope_parameters"), dict):
+        field, rope = "rope_parameters", dict(cfg["rope_parameters"])
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    else:
+        field, rope = "rope_scaling", dict(cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta", 10000.0)
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise _refuse(where, field, cfg[field], "per-layer-type rope parameters")
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if not isinstance(theta, int | float) or theta <= 0:
+        raise _refuse(where, "rope_theta", theta, "not a positive number")
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": False}
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope]
+        if missing:
+            raise _refuse(where, field, cfg[field], f"rope type llama3 without {missing[0]}")
+        out.update(
+            rope_scaling=True,
+            rope_scaling_factor=float(rope.pop("factor")),
+            rope_low_freq_factor=float(rope.pop("low_freq_factor")),
+            rope_high_freq_factor=float(rope.pop("high_freq_factor")),
+            rope_original_max_seq_len=int(rope.pop("original_max_position_embeddings")),
+        )
+    elif kind != "default":
+        raise _refuse(where, f"{field}.rope_type", kind, "kiln implements rope types default and llama3 only")
+    if rope.get("attention_factor", 1.0) in (1, 1.0):
+        rope.pop("attention_factor", None)
+    if rope:
+        key = sorted(rope)[0]
+        raise _refuse(where, f"{field}.{key}", rope[key], f"not a setting of rope type {kind}")
+    return out
+
+
+def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
+    """ModelArgs computing exactly what transformers' LlamaForCausalLM computes with config `cfg`, or a
+    ConfigError naming the field that kiln cannot represent. Missing keys take LlamaConfig's defaults."""
+    if cfg.get("model_type") != "llama":
+        raise _refuse(where, "model_type", cfg.get("model_type"), "not a Llama model")
+    if cfg.get("architectures") not in (None, ["LlamaForCausalLM"]):
+        raise _refuse(where, "architectures", cfg["architectures"], "kiln converts LlamaForCausalLM only")
+    for field, ok in (
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("hidden_act", "silu"),
+        ("sliding_window", None),
+        ("use_sliding_window", False),
+        ("attention_dropout", 0.0),
+        ("pretraining_tp", 1),
+    ):
+        if cfg.get(field, ok) != ok:
+            raise _refuse(where, field, cfg[field], f"kiln's Llama has {field} = {json.dumps(ok)}")
+    try:
+        dim, heads, inter = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["intermediate_size"])
+        layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except KeyError as e:
+        raise ConfigError(f"{where}: missing key {e}") from None
+    if dim % heads:
+        raise _refuse(where, "num_attention_heads", heads, f"does not divide hidden_size {dim}")
+    if cfg.get("head_dim") not in (None, dim // heads):
+        raise _refuse(where, "head_dim", cfg["head_dim"], f"kiln's head_dim is hidden_size / heads = {dim // heads}")
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv:
+        raise _refuse(where, "num_key_value_heads", kv, f"does not divide num_attention_heads {heads}")
+    base = int(2 * 4 * dim / 3)
+    args = ModelArgs(
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab_size=vocab,
+        multiple_of=inter,  # rounds the (scaled) 8/3*dim up to exactly `inter`
+        ffn_dim_multiplier=None if base <= inter else inter / base,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        context_len=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **_rope(cfg, where),
+    )
+    assert ffn_hidden_dim(args) == inter, (ffn_hidden_dim(args), inter)
+    return args
+
+
+def hf_config(args: ModelArgs, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for transformers' LlamaForCausalLM, read the same by transformers 4 (rope_theta,
+    rope_scaling, torch_dtype) and 5 (rope_parameters, dtype)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
+    if args.rope_scaling:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": float(args.rope_theta),
+            "factor": float(args.rope_scaling_factor),
+            "low_freq_factor": float(args.rope_low_freq_factor),
+            "high_freq_factor": float(args.rope_high_freq_factor),
+            "original_max_position_embeddings": int(args.rope_original_max_seq_len),
+        }
+    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling else None
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": ffn_hidden_dim(args),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": kv_heads(args),
+        "head_dim": args.dim // args.n_heads,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": rope,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": legacy_scaling,
+        "max_position_embeddings": args.context_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
+def read_hf_args(folder: str) -> ModelArgs:
+    path = os.path.join(folder, CONFIG)
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    return args_from_hf_config(cfg, path)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def hf_weight_files(folder: str) -> dict[str, str]:
+    """HF name -> safetensors file of every weight: from the index when there is one, else from the files."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(folder, v))})
+        if missing:
+            raise ConfigError(f"{index} names {os.path.join(folder, missing[0])}, which is missing")
+        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"{folder}: no .safetensors files (kiln reads safetensors only, never pickled .bin)")
+    out = {}
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), os.path.join(folder, name)))
+    return out
+
+
+def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """(kiln name, tensor in kiln's layout) for every weight of an HF folder, one file open at a time."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, path in hf_weight_files(folder).items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in sorted(by_file.items()):
+        with safe_open(path, framework="pt") as f:
+            for key in names:
+                kiln = kiln_name(key)
+                if kiln is not None:
+                    yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
+
+
+def save_hf_weights(
+    keys: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    load: Callable[[list[str]], dict[str, torch.Tensor]],
+    args: ModelArgs,
+    out_dir: str,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write kiln weights as HF safetensors: `model.safetensors`, or shards `model-0000i-of-0000n.safetensors`
+    plus `model.safetensors.index.json` when they exceed `max_shard_bytes`. `keys`: kiln name -> (shape,
+    dtype); `load(names)` returns those kiln tensors. One shard's tensors are in memory at a time."""
+    from safetensors.torch import save_file
+
+    plan: list[list[tuple[str, str]]] = [[]]
+    size = total = 0
+    for key, (shape, saved_dtype) in keys.items():
+        name = hf_name(key, args)
+        if name is None:
+            continue
+        n = torch.Size(shape).numel() * (dtype or saved_dtype).itemsize
+        if plan[-1] and size + n > max_shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append((key, name))
+        size, total = size + n, total + n
+    n = len(plan)
+    names = [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    weight_map = {}
+    for file, shard in zip(names, plan):
+        tensors = load([k for k, _ in shard])
+        out = {}
+        for key, name in shard:
+            w = to_hf_tensor(key, tensors.pop(key), args)
+            out[name] = w.to(dtype) if dtype is not None else w
+            weight_map[name] = file
+        save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, file), 0o666 & ~_umask())  # safetensors creates its files 0600
+        del out, tensors
+    if len(plan) > 1:
+        with open(os.path.join(out_dir, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it; put it back at once (scripts are single-threaded)
+    os.umask(mask)
+    return mask
+
+
+# ----------------------------------------------------------------------------- tokenizer and generation
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tokenizer_json(tok: Tokenizer) -> dict[str, Any]:
+    """tokenizer.json (Hugging Face tokenizers) encoding as `tok` does: the tiktoken ranks as a byte-level BPE
+    vocabulary, the merges recovered from them (a token's merges: the splits into two lower-ranked tokens, as
+    transformers' TikTokenConverter does), `ignore_merges` (a piece that is a whole token is taken as is, as
+    tiktoken does), Llama 3's split pattern, and `<|begin_of_text|>` added in front (as Llama 3's does)."""
+    ranks = tok.mergeable_ranks
+    table = _bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(table[x] for x in b)
+
+    merges = []
+    for token, rank in ranks.items():
+        local = []
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in ranks and right in ranks:
+                local.append((rank, ranks[left], ranks[right], left, right))
+        merges.extend(sorted(local))
+    merges.sort()
+    bos = "<|begin_of_text|>"
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": s,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for s, i in tok.special_tokens.items()
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": PAT_STR}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": {text(t): r for t, r in ranks.items()},
+            "merges": [[text(a), text(b)] for *_, a, b in merges],
+        },
+    }
+
+
+def write_tokenizer(tok: Tokenizer, out_dir: str, context_len: int) -> None:
+    """tokenizer.json + tokenizer_config.json. `split_special_tokens`: special-token text inside a string is
+    encoded as plain text, as kiln's Tokenizer.encode does (a document cannot smuggle in an end-of-text)."""
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_json(tok), f, ensure_ascii=False)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context_len,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def generation_config(bos_id: int, eos_id: int) -> dict[str, Any]:
+    """generation_config.json: generate() stops at kiln's end-of-text."""
+    return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}

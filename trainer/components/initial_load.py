@@ -1,0 +1,141 @@
+"""`checkpoint.initial_load_path`: start training from weights outside the run's checkpoint folder.
+
+The path is a Hugging Face Llama folder (config.json + safetensors, one file or sharded) or a kiln checkpoint
+(a DCP step folder, or a checkpoint folder: its newest complete step; a converted weights-only `step-N` or
+another run's full checkpoint, of which only the model is read). Its stored model shape (config.json, or the
+step's kiln.json) is what `model.flavor = "from_checkpoint"` builds, or what a named flavor is checked
+against. The weights load only when the run's own checkpoint folder holds nothing to resume (as torchtitan's
+key), so the same command resumes after a stop; the run's saves go to its own folder, never to the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models.args import ModelArgs
+from trainer.components.checkpoint import MARKER, read_metadata, resolve_step_dir
+from trainer.components.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
+from trainer.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger("kiln")
+KEY = "checkpoint.initial_load_path"
+
+
+@dataclass(frozen=True)
+class InitialSource:
+    path: str  # the HF folder, or the kiln DCP step folder
+    kind: str  # "hf" or "kiln"
+    args: ModelArgs  # the stored model shape (max_seq_len as stored: the caller sets its own)
+
+
+def stored_kiln_args(step_path: str, where: str) -> ModelArgs:
+    """The ModelArgs in a kiln step folder's kiln.json."""
+    marker = os.path.join(step_path, MARKER)
+    try:
+        with open(marker) as f:
+            saved = json.load(f).get("model_args")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot read {marker}: {e} (kiln needs the model shape stored with it)") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{where}: {marker} stores no model_args")
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ConfigError(f"{where}: {marker} has model_args.{unknown[0]}, unknown to this kiln")
+    return ModelArgs(**saved)
+
+
+def open_source(path: str) -> InitialSource:
+    """Recognise and read the shape of checkpoint.initial_load_path (ConfigError naming it if unusable)."""
+    where = f"{KEY} {path}"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}: not a folder (give a Hugging Face model folder or a kiln checkpoint)")
+    if is_hf_folder(path):
+        return InitialSource(path, "hf", read_hf_args(path))
+    try:
+        step = resolve_step_dir(path)
+    except CheckpointError:
+        raise ConfigError(
+            f"{where}: neither a Hugging Face folder (no config.json) nor a kiln checkpoint (no .metadata, no "
+            "complete step-N folder)"
+        ) from None
+    return InitialSource(step, "kiln", stored_kiln_args(step, where))
+
+
+def check_not_inside(source: InitialSource, checkpoint_folder: str) -> None:
+    """The run's checkpoint folder must be neither the source nor inside it, nor hold it."""
+    src = os.path.realpath(source.path)
+    own = os.path.realpath(checkpoint_folder)
+    for a, b in ((src, own), (own, src)):
+        if a == b or a.startswith(b + os.sep):
+            raise ConfigError(
+                f"{KEY} {source.path} and this run's checkpoint folder {checkpoint_folder} overlap: the run would "
+                "save into the folder it starts from; set checkpoint.folder (or job.dump_folder) elsewhere"
+            )
+
+
+def _model_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    from trainer.components.checkpoint import plain_tensor
+
+    return {k: plain_tensor(v) for k, v in get_model_state_dict(model).items()}
+
+
+def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole tensor `full` into `target` (this rank's shard when a DTensor); no communication."""
+    full = full.to(dtype=target.dtype)
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+@torch.no_grad()
+def load_initial(source: InitialSource, model: nn.Module) -> None:
+    """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not)."""
+    t0 = time.perf_counter()
+    targets = _model_targets(model)
+    where = f"{KEY} {source.path}"
+    tied = source.args.tie_word_embeddings
+    if source.kind == "hf":
+        # One tensor at a time: each rank reads the whole tensor and keeps its shard.
+        seen = set()
+        for name, full in iter_hf_as_kiln(source.path, source.args):
+            if name == "output.weight" and tied:
+                continue  # a tied model's lm_head copy (some exports write it): HF ties it to the embedding
+            target = targets.get(name)
+            if target is None:
+                raise CheckpointError(f"{where} has weight '{name}', which this model lacks")
+            if tuple(full.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{where}: '{name}' has shape {tuple(full.shape)} there but {tuple(target.shape)} in this model"
+                )
+            _fill(target, full.to(target.device))
+            seen.add(name)
+        missing = sorted(set(targets) - seen - ({"output.weight"} if tied else set()))
+        if missing:
+            raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        from trainer.components.checkpoint import check_matches
+        from trainer.components.checkpoint_reader import SafeFileSystemReader
+
+        md = read_metadata(source.path)
+        check_matches(source.path, targets, md, weights_only=True)
+        dcp.load(targets, storage_reader=SafeFileSystemReader(source.path, md))
+    set_model_state_dict(model, dict(targets))  # a fresh dict[str, Any]: the API's value type is wider
+    logger.info(
+        f"Loaded initial weights from {source.path} ({'Hugging Face' if source.kind == 'hf' else 'kiln'}) "
+        f"in {time.perf_counter() - t0:.2f} s; training starts at step 0"
+    )
