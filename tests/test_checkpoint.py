@@ -72,38 +72,38 @@ def names(folder: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> None:
-    """Killed inside step 15's save (all files written, folder not yet renamed): step-10 stays the latest,
-    the resumed run loads it and reproduces the straight run's losses for steps 11-20 bitwise."""
-    rc, straight = drive(tmp_path / "straight", "--training.steps", "20")
-    assert rc == 0 and len(straight) == 20
-    ckpt = ["--training.steps", "20", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "5"]
-    rc, _ = drive(tmp_path / "run", *ckpt, env={"KILN_TEST_KILL_IN_SAVE": "15"})
+    """Killed inside step 6's save (all files written, folder not yet renamed): step-4 stays the latest,
+    the resumed run loads it and reproduces the straight run's losses for steps 5-8 bitwise."""
+    rc, straight = drive(tmp_path / "straight", "--training.steps", "8")
+    assert rc == 0 and len(straight) == 8
+    ckpt = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
+    rc, _ = drive(tmp_path / "run", *ckpt, env={"KILN_TEST_KILL_IN_SAVE": "6"})
     assert rc == -9
     folder = tmp_path / "run" / "checkpoint"
-    assert names(folder) == ["step-10", "step-15.tmp", "step-5"]
-    assert {".metadata", "__0_0.distcp", "kiln.json"} <= {p.name for p in (folder / "step-15.tmp").iterdir()}
+    assert names(folder) == ["step-2", "step-4", "step-6.tmp"]
+    assert {".metadata", "__0_0.distcp", "kiln.json"} <= {p.name for p in (folder / "step-6.tmp").iterdir()}
 
     rc, resumed = drive(tmp_path / "run", *ckpt)
     assert rc == 0
     log = (tmp_path / "run.log").read_text()
-    assert f"Loaded checkpoint {folder / 'step-10'} (full state)" in log
-    assert resumed == straight[10:]  # exact floats
-    assert names(folder) == ["step-10", "step-15", "step-20", "step-5"]
+    assert f"Loaded checkpoint {folder / 'step-4'} (full state)" in log
+    assert resumed == straight[4:]  # exact floats
+    assert names(folder) == ["step-2", "step-4", "step-6", "step-8"]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
-    """FSDP on 2 gloo ranks: a run killed after its step-10 checkpoint, resumed to 20, equals a straight run;
+    """FSDP on 2 gloo ranks: a run killed after its step-4 checkpoint, resumed to 8, equals a straight run;
     the data position is one global item (any DP layout resumes it: tests/test_reliability.py)."""
-    rc, straight = drive(tmp_path / "straight", "--training.steps", "20", nproc=2)
-    assert rc == 0 and len(straight) == 20
-    ckpt = ["--training.steps", "20", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10"]
-    rc, _ = drive(tmp_path / "run", *ckpt, nproc=2, env={"KILN_TEST_KILL_AFTER_SAVE": "10"})
+    rc, straight = drive(tmp_path / "straight", "--training.steps", "8", nproc=2)
+    assert rc == 0 and len(straight) == 8
+    ckpt = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4"]
+    rc, _ = drive(tmp_path / "run", *ckpt, nproc=2, env={"KILN_TEST_KILL_AFTER_SAVE": "4"})
     assert rc != 0
     folder = tmp_path / "run" / "checkpoint"
-    assert names(folder) == ["step-10"]
-    md = read_metadata(str(folder / "step-10"))
+    assert names(folder) == ["step-4"]
+    md = read_metadata(str(folder / "step-4"))
     assert {k for k in md.state_dict_metadata if k.startswith("dataloader.")} == {
         f"dataloader.{k}" for k in ("sequences", "epoch", "shard", "record", "buffer")
     }
@@ -111,7 +111,7 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
 
     rc, resumed = drive(tmp_path / "run", *ckpt, nproc=2)
     assert rc == 0
-    assert resumed == straight[10:]
+    assert resumed == straight[4:]
 
 
 def run_trainer(dump: Path, *args: str) -> Trainer:

@@ -315,8 +315,10 @@ def _tail_mean(losses: list[float], n: int = 10) -> float:
 
 
 @pytest.fixture(scope="module")
-def bf16_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    return train(tmp_path_factory.mktemp("bf16")).losses
+def baseline_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The high-precision baseline: float8 off, fp32 compute. (bf16 autocast without float8 would be the closer
+    baseline, but on a CPU without bf16 matrix units its 20 steps take minutes; float8's matmuls do not.)"""
+    return train(tmp_path_factory.mktemp("fp32"), "--training.mixed_precision_param", "float32").losses
 
 
 @pytest.mark.slow
@@ -329,12 +331,14 @@ def bf16_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     ],
 )
 def test_float8_recipe_tracks_bf16(
-    recipe: str, bf16_losses: list[float], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    recipe: str, baseline_losses: list[float], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """20 steps, same seed and data, bf16 autocast compute over fp32 master weights (the single-device path).
+    """20 steps, same seed and data, bf16 autocast compute over fp32 master weights (the single-device path),
+    against the fp32 baseline.
 
     Tolerance 1% on the mean of the last 10 losses. The runs are deterministic, so this is not about noise:
-    measured here, the three recipes land within 0.06% of bf16 after 20 steps (0.14% after 200, docs/float8.md)
+    measured here, the three recipes land within 0.07% of the fp32 baseline after 20 steps (0.14% of bf16 after
+    200, docs/float8.md)
     while the loss falls from 8.2 to 6.5; 1% leaves room for other CPUs' kernels and still fails a run whose
     float8 casts are broken (wrong or stale scales do not learn at this pace). rowwise_with_gw_hp under CPU
     autocast is the case that crashed before kiln's input-cast hook.
@@ -345,9 +349,11 @@ def test_float8_recipe_tracks_bf16(
     )
     losses = trainer.losses
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
-    assert bf16_losses[0] - _tail_mean(bf16_losses) > 1.0  # the baseline learns
-    assert abs(_tail_mean(losses) - _tail_mean(bf16_losses)) / _tail_mean(bf16_losses) < 0.01, (losses, bf16_losses)
-    assert losses != bf16_losses  # float8 really ran
+    assert baseline_losses[0] - _tail_mean(baseline_losses) > 1.0  # the baseline learns
+    gap = abs(_tail_mean(losses) - _tail_mean(baseline_losses)) / _tail_mean(baseline_losses)
+    print(f"{recipe}: last-10 mean {_tail_mean(losses):.4f} vs fp32 {_tail_mean(baseline_losses):.4f} ({gap:.3%})")
+    assert gap < 0.01, (losses, baseline_losses)
+    assert losses != baseline_losses  # float8 really ran
     assert type(trainer.model.layers["0"].attention.wq).__name__ == "Float8Linear"
     # mfu against the bf16 peak (1 TFLOP/s here), mfu_fp8 against the float8 peak (2x): exactly half.
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
@@ -361,12 +367,12 @@ ROWWISE_FP32 += ["--training.mixed_precision_param", "float32"]
 
 @pytest.mark.slow
 @needs_cpu_rowwise
-def test_rowwise_single_device_fp32_compute(bf16_losses: list[float], tmp_path: Path) -> None:
+def test_rowwise_single_device_fp32_compute(baseline_losses: list[float], tmp_path: Path) -> None:
     """The seed's 1-GPU failure: rowwise with fp32 weights and no mixed precision. torchao>=0.18 asks the rowwise
     kernel for bf16 and upcasts, so this trains and tracks the bf16 run (measured: within 0.1%)."""
     losses = train(tmp_path, *ROWWISE_FP32).losses
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
-    assert abs(_tail_mean(losses) - _tail_mean(bf16_losses)) / _tail_mean(bf16_losses) < 0.01
+    assert abs(_tail_mean(losses) - _tail_mean(baseline_losses)) / _tail_mean(baseline_losses) < 0.01
 
 
 @pytest.mark.slow
