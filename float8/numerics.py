@@ -58,13 +58,13 @@ def recipe_casts(recipe: str) -> dict[str, Cast]:
 
 def _scales(x: torch.Tensor, cast: Cast, fmax: float) -> torch.Tensor:
     """Per-element-broadcastable scales for x (2-D: rows x K, or rows x blocks x 32 for 'block')."""
-    tiny = torch.finfo(torch.float32).tiny
+    amax = x.abs().amax() if cast.granularity == "tensor" else x.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, fmax)  # an all-zero row or block: scale 1, not 1/0
     if cast.granularity == "tensor":
-        return fmax / x.abs().amax().clamp(min=tiny)
-    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=tiny)
+        return fmax / safe
     if cast.granularity == "row":  # torchao's rowwise recipes round scales down to powers of two
-        return torch.exp2(torch.floor(torch.log2(fmax / amax)))
-    return torch.exp2(-torch.ceil(torch.log2(amax / fmax)))  # MXFP8 rceil: e8m0 exponent rounded up
+        return torch.exp2(torch.floor(torch.log2(fmax / safe)))
+    return torch.exp2(-torch.ceil(torch.log2(safe / fmax)))  # MXFP8 rceil: e8m0 exponent rounded up
 
 
 def cast_stats(x: torch.Tensor, cast: Cast, scale: torch.Tensor | None = None) -> torch.Tensor:

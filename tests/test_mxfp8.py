@@ -105,8 +105,20 @@ def test_mxfp8_dry_run_lists_mxfp8_weights() -> None:
     from trainer.config import parse_args
     from trainer.tools.dry_run import dry_run
 
-    cfg = parse_args(["--job.config_file", DEBUG_CONFIG, *MX, "mxfp8_rceil", "--model.n_layers", "2"])
+    cfg = parse_args(
+        [
+            "--job.config_file",
+            DEBUG_CONFIG,
+            *MX,
+            "mxfp8_rceil",
+            "--model.n_layers",
+            "2",
+            "--float8.disable_after_step",
+            "9",
+        ]
+    )
     text = dry_run(cfg)
+    assert "float8 policy: high precision from step 10 (float8.disable_after_step)" in text, text
     assert "float8: 14/15 Linears converted (recipe mxfp8_rceil)" in text, text
     assert "Float8 MXFP8 weight (mxfp8_rceil: blocks of 32, e8m0 scales)" in text, text
 
