@@ -98,3 +98,11 @@ def test_compare_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "compared 10 steps (1..10)" in out and "loss       max rel diff 2.0000% (step 7)" in out
     assert compare_main([str(a), str(b), "--rtol", "0.01"]) == 1
     assert compare_main([str(a), str(tmp_path / "missing.log")]) == 2
+    # Three runs, each against the first, and the loss picture (matplotlib, the dev extra).
+    c = tmp_path / "c.log"
+    c.write_text("\n".join(line.format(s=s, l=(8.0 - s * 0.1) * 1.1, g=1.0) for s in range(1, 11)))
+    png = tmp_path / "loss.png"
+    assert compare_main([str(a), str(b), str(c), "--rtol", "0.05", "--plot", str(png), "--labels", "x,y,z"]) == 1
+    out = capsys.readouterr().out
+    assert f"{c}: compared 10 steps" in out and "max rel diff 10.0000%" in out and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
