@@ -64,12 +64,13 @@ def plot(runs: dict[str, dict[int, tuple[float, float | None]]], path: str) -> N
     names = list(runs)
     ref = runs[names[0]]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.2), sharex=True, height_ratios=(2, 1))
-    for name, log in runs.items():
-        steps = sorted(log)
-        top.plot(steps, [log[s][0] for s in steps], label=name, linewidth=1)
-        if name != names[0]:
+    for i, (name, log) in enumerate(runs.items()):
+        steps, color = sorted(log), f"C{i}"  # one colour per run in both panels
+        top.plot(steps, [log[s][0] for s in steps], label=name, linewidth=1, color=color)
+        if i:
             common = sorted(set(log) & set(ref))
-            bottom.plot(common, [100 * (log[s][0] - ref[s][0]) / abs(ref[s][0]) for s in common], label=name, lw=1)
+            gaps = [100 * (log[s][0] - ref[s][0]) / abs(ref[s][0]) for s in common]
+            bottom.plot(common, gaps, label=name, linewidth=1, color=color)
     top.set_ylabel("loss")
     top.legend()
     top.grid(alpha=0.3)
