@@ -12,7 +12,9 @@ then checks; a flag that had no effect raises ConfigError (exit 2):
 
 What counts as a float8 matmul is torchao's own: its Float8TrainingTensor dispatches aten.mm (and addmm,
 matmul) on two float8 operands to an entry of torchao's op table, which calls torch._scaled_mm or, with
-`emulate`, a high-precision mm of the dequantised operands. The probe wraps those entries for the step: they
+`emulate`, a high-precision mm of the dequantised operands. The MXFP8 recipes do the same through MXTensor's op
+table (torch._scaled_mm with e8m0 block scales, or the EMULATED dequantised mm). The probe wraps those entries
+for the step: they
 count and call through, so the step computes exactly what it would without the probe. The table sits below
 DTensor (TP hands it the local shards), FSDP and activation checkpointing, so no layout changes the count.
 Under torch.compile the entries run while the graph is traced (dynamo's fake-tensor pass, AOTAutograd's
@@ -37,6 +39,8 @@ from trainer.internals import (
     fsdp_param_groups,
     fsdp_param_owner,
     is_compiled_module,
+    mx_matmul_is_emulated_and_traced,
+    mx_tensor_ops_table,
     on_dynamo_compile,
 )
 
@@ -79,15 +83,17 @@ class Float8UsageProbe:
         self.matmuls: Counter[tuple[str, bool]] = Counter()
         self.compilations = 0  # dynamo compilations during the step: 0 with compiled blocks = graphs reused
 
-    def _counting(self, table_entry: Callable[..., Any]) -> Callable[..., Any]:
+    def _counting(self, table_entry: Callable[..., Any], mx: bool) -> Callable[..., Any]:
         """A torchao op-table entry that counts the float8 matmul, then runs the original unchanged."""
         addmm = torch.ops.aten.addmm.default
+        how = mx_matmul_is_emulated_and_traced if mx else float8_matmul_is_emulated_and_traced
 
-        def float8_matmul(aten_op: Any, args: tuple, kwargs: dict | None = None) -> Any:
+        def float8_matmul(aten_op: Any, *rest: Any) -> Any:
+            args = rest[-2] if mx else rest[0]  # MXTensor's entries take (func, types, args, kwargs)
             a, b = args[1:3] if aten_op == addmm else args[:2]  # addmm(bias, a, b); mm/matmul(a, b)
-            emulated, traced = float8_matmul_is_emulated_and_traced(a, b)
+            emulated, traced = how(a, b)
             self.matmuls["traced" if traced else "ran", emulated] += 1
-            return table_entry(aten_op, args, kwargs)
+            return table_entry(aten_op, *rest)
 
         return float8_matmul
 
@@ -99,21 +105,23 @@ class Float8UsageProbe:
             return
         from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
 
+        mx = self.cfg.is_mxfp8
+        table = mx_tensor_ops_table() if mx else FLOAT8_OPS_TABLE
         aten = torch.ops.aten
-        originals = {op: FLOAT8_OPS_TABLE[op] for op in (aten.mm.default, aten.matmul.default, aten.addmm.default)}
-        wrappers = {op: self._counting(entry) for op, entry in originals.items()}
+        originals = {op: table[op] for op in (aten.mm.default, aten.matmul.default, aten.addmm.default)}
+        wrappers = {op: self._counting(entry, mx) for op, entry in originals.items()}
 
         def on_compile(_args: Any) -> None:
             self.compilations += 1
 
-        FLOAT8_OPS_TABLE.update(wrappers)
+        table.update(wrappers)
         try:
             with on_dynamo_compile(on_compile):
                 yield
         finally:
             for op, original in originals.items():
-                if FLOAT8_OPS_TABLE.get(op) is wrappers[op]:  # leave an entry someone else swapped since
-                    FLOAT8_OPS_TABLE[op] = original
+                if table.get(op) is wrappers[op]:  # leave an entry someone else swapped since
+                    table[op] = original
 
     def verify(self) -> list[str]:
         """Check each enabled float8 flag took effect; return the findings (logged), raise ConfigError if not."""
@@ -127,7 +135,8 @@ class Float8UsageProbe:
                 f"float8.enable_float8_linear is set but none of the {len(linears)} Linears is a Float8Linear "
                 f"(float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
             )
-        findings = [f"float8 in use: {len(float8)}/{len(linears)} Linears are Float8Linear", self._matmul_finding()]
+        kind = "have MXFP8 weights" if cfg.is_mxfp8 else "are Float8Linear"
+        findings = [f"float8 in use: {len(float8)}/{len(linears)} Linears {kind}", self._matmul_finding()]
         if cfg.enable_fsdp_float8_all_gather:
             findings.append(self._all_gather_finding())
         for line in findings:
@@ -149,7 +158,8 @@ class Float8UsageProbe:
             )
         how = [f"{ran} ran"] if ran else []
         how += [f"{traced} traced into compiled graphs"] if traced else []
-        kind = "emulated float8 matmuls" if emulated == ran + traced else "float8 matmuls"
+        what = "MXFP8 matmuls" if self.cfg.is_mxfp8 else "float8 matmuls"
+        kind = f"emulated {what}" if emulated == ran + traced else what
         if 0 < emulated < ran + traced:
             kind += f" ({emulated} emulated)"
         return f"float8 in use: {kind} in the first step: {', '.join(how)}"

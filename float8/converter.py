@@ -1,4 +1,6 @@
-"""The float8 model converter: `[float8]` config -> torchao Float8LinearConfig -> Float8Linear modules.
+"""The float8 model converter: `[float8]` config -> torchao Float8LinearConfig -> Float8Linear modules, or for
+the MXFP8 recipes MXFP8TrainingOpConfig -> nn.Linear modules whose weight is torchao's MXFP8 training wrapper
+tensor (its F.linear runs the three GEMMs in MXFP8). "float8 Linear" below means either.
 
 The Trainer calls `build_float8_converter(cfg)` before anything heavy (it checks torchao and the GPU), then
 `convert(model)` on the meta-device model before parallelisation, and `post_optimizer_hook(model)` after each
@@ -15,19 +17,56 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from float8.validation import check_float8_environment
-from trainer.config import Float8
+from trainer.config import MXFP8_BLOCK, Float8
+from trainer.internals import disable_torch_function_subclass, local_tensor_or_self
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
 
 logger = logging.getLogger("kiln")
 
 
+_MXFP8_WEIGHT = "MXFP8TrainingWeightWrapperTensor"
+
+
+def is_mxfp8_weight(weight: torch.Tensor | None) -> bool:
+    """Whether a weight (plain, or the local tensor of a DTensor) is torchao's MXFP8 training wrapper tensor."""
+    return weight is not None and type(local_tensor_or_self(weight)).__name__ == _MXFP8_WEIGHT
+
+
 def is_float8_linear(module: nn.Module) -> bool:
-    """Whether `module` is torchao's Float8Linear; by class name, so asking never imports torchao."""
-    return type(module).__name__ == "Float8Linear"
+    """Whether `module` runs its matmuls in float8: torchao's Float8Linear, or an nn.Linear with an MXFP8 training
+    weight. By class name, so asking never imports torchao. A Linear switched to high precision answers False."""
+    name = type(module).__name__
+    return name == "Float8Linear" or (name == "Linear" and is_mxfp8_weight(getattr(module, "weight", None)))
+
+
+class HighPrecisionLinear(nn.Linear):
+    """A float8 Linear switched to high precision (float8.disable_after_step): the same parameters, a plain matmul.
+
+    Torch-function subclass handling is off for the call, so an MXFP8 weight wrapper does not route F.linear to
+    its MXFP8 matmul; below, at dispatch, every torchao weight wrapper (MXFP8, float8 all-gather) unwraps to its
+    high-precision tensor, and DTensor still runs the sharded matmul.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with disable_torch_function_subclass():
+            return F.linear(x, self.weight, self.bias)
+
+
+def switch_to_high_precision(model: nn.Module) -> list[str]:
+    """Make every float8 Linear a HighPrecisionLinear, in place (parameters, hooks, FSDP and TP untouched); return
+    their names. Compiled blocks recompile once: dynamo guards on the module's class."""
+    names = []
+    for fqn, module in model.named_modules():
+        if is_float8_linear(module):
+            module.__class__ = HighPrecisionLinear
+            names.append(fqn)
+    return names
 
 
 class LinearDecision(NamedTuple):
@@ -56,14 +95,22 @@ def too_small_to_gain(recipe: str, in_features: int, out_features: int) -> str |
     return f"auto filter: {recipe} GEMM K={k} N={n} too small to gain ({rule})" if small else None
 
 
-def decide(fqn: str, linear: nn.Linear, cfg: Float8) -> LinearDecision:
-    """Float8 or not for one Linear, in order: named in filter_fqns, dims not divisible by 16, too small."""
+_BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0) -> LinearDecision:
+    """Float8 or not for one Linear, in order: named in filter_fqns, in the first/last blocks kept high precision,
+    dims not divisible by 16 (32 for MXFP8), too small."""
     matched = [f for f in cfg.filter_fqns if f in fqn]
     if matched:
         return LinearDecision(fqn, False, f"filter_fqns '{matched[0]}'")
+    keep, block = cfg.high_precision_first_last, _BLOCK_INDEX.search(fqn)
+    if keep and block and (int(block.group(1)) < keep or int(block.group(1)) >= n_layers - keep):
+        return LinearDecision(fqn, False, f"high_precision_first_last {keep} (block {block.group(1)} of {n_layers})")
     k, n = linear.in_features, linear.out_features
-    if k % 16 or n % 16:  # torch._scaled_mm needs both GEMM dims divisible by 16
-        return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by 16")
+    multiple = MXFP8_BLOCK if cfg.is_mxfp8 else 16  # MXFP8 scales blocks of 32 along K (and along N for grad_input)
+    if k % multiple or n % multiple:  # torch._scaled_mm needs both GEMM dims divisible by 16
+        return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by {multiple}")
     if cfg.auto_filter_small_kn:
         reason = too_small_to_gain(cfg.recipe, k, n)
         if reason:
@@ -80,6 +127,16 @@ def float8_linear_config(cfg: Float8) -> Float8LinearConfig:
     return dataclasses.replace(
         base, enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=cfg.emulate
     )
+
+
+def mxfp8_training_config(cfg: Float8) -> MXFP8TrainingOpConfig:
+    """torchao's MXFP8 recipe; with `emulate`, its EMULATED kernel preference (plain-PyTorch casts and a
+    dequantised high-precision matmul: any device, same rounding)."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    base = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(cfg.recipe))
+    return dataclasses.replace(base, kernel_preference=KernelPreference.EMULATED) if cfg.emulate else base
 
 
 def _cast_input_to_autocast_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -105,24 +162,29 @@ class Float8Converter:
     def __init__(self, cfg: Float8) -> None:
         self.cfg = cfg
         self.recipe = cfg.recipe
-        self.config = float8_linear_config(cfg)
+        self.config = mxfp8_training_config(cfg) if cfg.is_mxfp8 else float8_linear_config(cfg)
         self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
 
     def convert(self, model: nn.Module) -> None:
         """Convert in place (meta device is fine: only shapes are read); log one summary line."""
         from torchao.float8 import convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
 
+        n_layers = len(getattr(model, "layers", ()))
         self.decisions = [
-            decide(fqn, mod, self.cfg)
+            decide(fqn, mod, self.cfg, n_layers)
             for fqn, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear)
+            if isinstance(mod, nn.Linear) and not is_float8_linear(mod)
         ]
         chosen = {d.fqn for d in self.decisions if d.converted}
-        convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
+        if self.cfg.is_mxfp8:
+            from torchao.quantization import quantize_
+
+            quantize_(model, self.config, filter_fn=lambda mod, fqn: fqn in chosen and isinstance(mod, nn.Linear))
+        else:
+            convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
         for fqn, mod in model.named_modules():
             if fqn in chosen:
-                assert isinstance(mod, Float8Linear), fqn
+                assert is_float8_linear(mod), fqn
                 mod.register_forward_pre_hook(_cast_input_to_autocast_dtype)
 
         skipped: dict[str, list[str]] = {}
@@ -130,12 +192,12 @@ class Float8Converter:
             if not d.converted:
                 skipped.setdefault(d.reason, []).append(d.fqn)
         why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
-        on = [("fsdp float8 all-gather", self.config.enable_fsdp_float8_all_gather), ("emulate", self.config.emulate)]
+        on = [("fsdp float8 all-gather", self.cfg.enable_fsdp_float8_all_gather), ("emulate", self.cfg.emulate)]
         flags = "".join(f" + {name}" for name, enabled in on if enabled)
+        into = "MXFP8 weights" if self.cfg.is_mxfp8 else "Float8Linear"
         logger.info(
-            f"float8 {self.recipe}{flags}: converted {len(chosen)} of "
-            f"{len(self.decisions)} Linears to Float8Linear; skipped {len(self.decisions) - len(chosen)}"
-            + (f": {why}" if why else "")
+            f"float8 {self.recipe}{flags}: converted {len(chosen)} of {len(self.decisions)} Linears to {into}; "
+            f"skipped {len(self.decisions) - len(chosen)}" + (f": {why}" if why else "")
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

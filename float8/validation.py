@@ -15,6 +15,7 @@ from trainer.errors import ConfigError
 MIN_TORCHAO = (0, 18)  # Float8LinearConfig.from_recipe_name, fp32 output for rowwise, _auto_filter_for_recipe
 MIN_CUDA_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (SM 8.9), Hopper (9.0), Blackwell
 MIN_ROCM_CAPABILITY = (9, 4)  # gfx942 (MI300X) is the first AMD GPU with float8 matmuls
+MIN_MXFP8_CAPABILITY = (10, 0)  # MXFP8 block-scaled matmuls: Blackwell (B200, GB200) and later
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -42,6 +43,12 @@ def check_float8_environment(cfg: Float8) -> None:
     minimum = MIN_ROCM_CAPABILITY if torch.version.hip else MIN_CUDA_CAPABILITY
     for i in range(torch.cuda.device_count()):
         cap = tuple(torch.cuda.get_device_capability(i))
+        if cfg.is_mxfp8 and (torch.version.hip or cap < MIN_MXFP8_CAPABILITY):
+            raise ConfigError(
+                f"float8.recipe_name {cfg.recipe}: {torch.cuda.get_device_name(i)} (capability {cap[0]}.{cap[1]}) has "
+                "no MXFP8 matmuls (needs 10.0+, Blackwell); add --float8.emulate to emulate them, or use recipe_name "
+                "rowwise"
+            )
         if cap < minimum:
             raise ConfigError(
                 f"float8.enable_float8_linear: {torch.cuda.get_device_name(i)} (capability {cap[0]}.{cap[1]}) has "
@@ -55,6 +62,11 @@ def check_cpu_float8(cfg: Float8) -> None:
     asserts per-tensor ones, torch 2.13's has them). Called by the Trainer on CPU only: a dry run plans for GPUs."""
     if not cfg.enable_float8_linear or cfg.emulate or cfg.recipe == "tensorwise":
         return
+    if cfg.is_mxfp8:
+        raise ConfigError(
+            f"float8.recipe_name {cfg.recipe}: MXFP8 kernels need a Blackwell GPU (SM100); on a CPU add "
+            "--float8.emulate to emulate them"
+        )
     from trainer.internals import cpu_scaled_mm_supports_rowwise
 
     if not cpu_scaled_mm_supports_rowwise():

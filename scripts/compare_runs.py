@@ -1,8 +1,11 @@
-"""Compare two training logs step by step: loss and grad norm, max/mean relative difference vs --rtol.
+"""Compare training logs step by step: loss and grad norm, max/mean relative difference vs --rtol.
 
-The first log is the reference: relative difference = |b - a| / |a| per step.
+The first log is the reference: relative difference = |b - a| / |a| per step; each further log is compared
+with it. `--plot out.png` draws the loss curves and each run's relative loss gap to the first (needs
+matplotlib: `pip install -e '.[plots]'`).
 
     python scripts/compare_runs.py bf16.log float8.log --rtol 0.05
+    python scripts/compare_runs.py bf16.log tensorwise.log mxfp8.log --plot docs/loss.png
 
 Reads kiln's (and torchtitan's) step lines, `step: N  loss: X ... grad_norm: Y`, from anywhere in a line
 (torchrun prefixes like `[rank0]:` are fine; ANSI colours are stripped). Only steps present in both logs
@@ -12,6 +15,7 @@ are compared. Exit status: 0 within tolerance, 1 past it, 2 for unreadable input
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -50,33 +54,83 @@ def compare(a: dict[int, tuple[float, float | None]], b: dict[int, tuple[float, 
     return result
 
 
+def plot(runs: dict[str, dict[int, tuple[float, float | None]]], path: str) -> None:
+    """Loss curves (top) and each run's relative loss gap to the first, in % (bottom), as a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    ref = runs[names[0]]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.2), sharex=True, height_ratios=(2, 1))
+    for i, (name, log) in enumerate(runs.items()):
+        steps, color = sorted(log), f"C{i}"  # one colour per run in both panels
+        top.plot(steps, [log[s][0] for s in steps], label=name, linewidth=1, color=color)
+        if i:
+            common = sorted(set(log) & set(ref))
+            gaps = [100 * (log[s][0] - ref[s][0]) / abs(ref[s][0]) for s in common]
+            bottom.plot(common, gaps, label=name, linewidth=1, color=color)
+    top.set_ylabel("loss")
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.axhline(0, color="black", linewidth=0.5)
+    bottom.set_ylabel(f"gap to {names[0]} (%)")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("log_a")
-    ap.add_argument("log_b")
+    ap.add_argument("logs", nargs="+", help="two or more logs; the first is the reference")
     ap.add_argument("--rtol", type=float, default=0.05, help="max allowed relative difference (default 0.05)")
     ap.add_argument("--grad-norm-rtol", type=float, default=None, help="separate tolerance for grad norms")
+    ap.add_argument("--plot", default=None, help="write loss curves and gaps to this PNG (needs matplotlib)")
+    ap.add_argument("--labels", default=None, help="comma-separated run names for the plot (default: file names)")
     args = ap.parse_args(argv)
+    if len(args.logs) < 2:
+        print("compare_runs: error: give at least two logs (the first is the reference)", file=sys.stderr)
+        return 2
+    labels = args.labels.split(",") if args.labels else [os.path.basename(p) for p in args.logs]
+    if len(labels) != len(args.logs):
+        print(f"compare_runs: error: {len(labels)} labels for {len(args.logs)} logs", file=sys.stderr)
+        return 2
     try:
-        a, b = parse_log(args.log_a), parse_log(args.log_b)
+        logs = [parse_log(p) for p in args.logs]
     except OSError as e:
         print(f"compare_runs: error: {e}", file=sys.stderr)
         return 2
-    common = sorted(set(a) & set(b))
-    if not common:
-        print(
-            f"compare_runs: error: no common step lines ({len(a)} in {args.log_a}, {len(b)} in {args.log_b})",
-            file=sys.stderr,
-        )
-        return 2
-    print(f"compared {len(common)} steps ({common[0]}..{common[-1]})")
+    a = logs[0]
     failed = False
-    for metric, r in compare(a, b).items():
-        tol = args.rtol if metric == "loss" or args.grad_norm_rtol is None else args.grad_norm_rtol
-        verdict = "ok" if r["max"] <= tol else "FAIL"
-        failed |= verdict == "FAIL"
-        stats = f"max rel diff {r['max']:.4%} (step {r['max_step']})  mean {r['mean']:.4%}"
-        print(f"{metric:<10} {stats}  rtol {tol:.2%}  {verdict}")
+    for path, b in zip(args.logs[1:], logs[1:]):
+        common = sorted(set(a) & set(b))
+        if not common:
+            print(
+                f"compare_runs: error: no common step lines ({len(a)} in {args.logs[0]}, {len(b)} in {path})",
+                file=sys.stderr,
+            )
+            return 2
+        print(
+            f"{path}: compared {len(common)} steps ({common[0]}..{common[-1]})"
+            if len(logs) > 2
+            else f"compared {len(common)} steps ({common[0]}..{common[-1]})"
+        )
+        for metric, r in compare(a, b).items():
+            tol = args.rtol if metric == "loss" or args.grad_norm_rtol is None else args.grad_norm_rtol
+            verdict = "ok" if r["max"] <= tol else "FAIL"
+            failed |= verdict == "FAIL"
+            stats = f"max rel diff {r['max']:.4%} (step {r['max_step']})  mean {r['mean']:.4%}"
+            print(f"{metric:<10} {stats}  rtol {tol:.2%}  {verdict}")
+    if args.plot:
+        try:
+            plot(dict(zip(labels, logs)), args.plot)
+        except ImportError:
+            print("compare_runs: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
     return 1 if failed else 0
 
 

@@ -378,3 +378,31 @@ def test_partitioned_graphs_backend() -> None:
     fw_names = {n.name for n in graphs[0][1].graph.nodes}
     saved = [n.name for n in graphs[1][1].graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     assert saved and set(saved) <= fw_names
+
+
+def test_mxfp8_internals() -> None:
+    """MXFP8 weight wrapper's `_data`, MXTensor's op table and fields, the torch-function switch, DTensor locals."""
+    import dataclasses
+
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    config = dataclasses.replace(
+        MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL), kernel_preference=KernelPreference.EMULATED
+    )
+    hp = torch.randn(64, 32)
+    wrapped = MXFP8TrainingWeightWrapperTensor(hp, config)
+    assert internals.mxfp8_weight_data(wrapped) is hp
+    x = torch.randn(8, 32)
+    # With torch-function subclasses off, F.linear reaches dispatch, where the wrapper unwraps: an exact hp matmul.
+    with internals.disable_torch_function_subclass():
+        torch.testing.assert_close(torch.nn.functional.linear(x, wrapped), x @ hp.t(), rtol=0, atol=0)
+    assert not torch.equal(torch.nn.functional.linear(x, wrapped), x @ hp.t())  # otherwise: MXFP8
+    table = internals.mx_tensor_ops_table()
+    assert torch.ops.aten.mm.default in table and torch.ops.aten.addmm.default in table
+    a = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL, KernelPreference.EMULATED)
+    assert internals.mx_matmul_is_emulated_and_traced(a, a) == (True, False)
+    assert internals.local_tensor_or_self(hp) is hp

@@ -1,11 +1,9 @@
-"""Profiler traces, memory-snapshot warning, NaN/inf guard, per-layer float8 SQNR, compare_runs.py."""
+"""Profiler traces, memory-snapshot warning, NaN/inf guard, compare_runs.py (float8 numerics: test_numerics.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,11 +11,8 @@ import pytest
 import torch
 
 import train
-from float8.sqnr import Float8SQNRMonitor
 from scripts.compare_runs import main as compare_main
 from tests.common import tiny_run_args
-from tests.sac_helpers import batch, debug_model, loss_fn
-from trainer.config import parse_args
 from trainer.tools.guards import NonFiniteError, last_checkpoint
 from trainer.train import Trainer
 
@@ -92,70 +87,6 @@ def test_last_checkpoint_none(tmp_path: Path) -> None:
     assert last_checkpoint(str(tmp_path / "missing")) == "none"
 
 
-def test_sqnr_points_at_the_layer_that_hurts() -> None:
-    model = debug_model("tensorwise", save_list=None)
-    # A layer whose float8 output is off by ~30% noise (as a badly scaled layer would be): registered
-    # before the monitor, so the monitor sees the damaged output.
-    bad = model.layers["1"].feed_forward.w2
-    bad.register_forward_hook(lambda m, i, out: out + 0.3 * out.std() * torch.randn_like(out))
-    monitor = Float8SQNRMonitor(model)
-    monitor.active = True
-    with torch.no_grad():
-        loss_fn(model, batch())()
-    values = monitor.log(step=1)
-    assert len(values) == 14 and all(math.isfinite(v) for v in values.values())
-    worst = min(values, key=values.get)
-    assert worst == "layers.1.feed_forward.w2", values
-    others = [v for n, v in values.items() if n != worst]
-    assert min(others) > 20 and values[worst] < 15  # e4m3 tensorwise: ~28 dB on these layers
-
-
-def _sqnr_lines(caplog: pytest.LogCaptureFixture) -> dict[int, dict[str, float]]:
-    """Per-layer SQNR (dB) from the 'float8 SQNR step N' log lines, by step."""
-    found = {}
-    for r in caplog.records:
-        m = re.match(r"float8 SQNR step (\d+) \(dB, worst first\): (.*)", r.getMessage())
-        if m:
-            found[int(m.group(1))] = {n: float(v) for n, v in (kv.rsplit(" ", 1) for kv in m.group(2).split(", "))}
-    return found
-
-
-@pytest.mark.slow
-def test_sqnr_under_compile_trains_and_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """--float8.sqnr_log_freq with --training.compile: the hooks run inside the fullgraph-compiled blocks (step 1
-    is eager for the float8 check; steps 2-4 compiled). A `.item()` in the hook used to crash step 2. Losses equal
-    an eager run without SQNR (the measurement must not change the step); values are the eager ones' magnitude."""
-    caplog.set_level(logging.INFO, logger="kiln")
-    extra = ["--training.steps", "4", "--model.n_layers", "1", "--float8.enable_float8_linear", "--training.seed", "0"]
-    compiled = Trainer(parse_args(_argv(tmp_path / "c", *extra, "--float8.sqnr_log_freq", "2", "--training.compile")))
-    try:
-        compiled.train()
-    finally:
-        compiled.close()
-    sqnr = _sqnr_lines(caplog)
-    assert sorted(sqnr) == [2, 4], sqnr  # every second step, the compiled ones included
-    for values in sqnr.values():
-        assert sorted(values) == sorted(
-            f"layers.0.{n}"
-            for n in (
-                "attention.wq",
-                "attention.wk",
-                "attention.wv",
-                "attention.wo",
-                "feed_forward.w1",
-                "feed_forward.w2",
-                "feed_forward.w3",
-            )
-        )
-        assert all(20 < v < 40 for v in values.values()), values  # e4m3 tensorwise: ~28 dB here
-    eager = Trainer(parse_args(_argv(tmp_path / "e", *extra)))
-    try:
-        eager.train()
-    finally:
-        eager.close()
-    torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-4, atol=1e-4)
-
-
 def test_compare_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     line = "[rank0]:12:00:00 INFO step: {s:2}  loss: {l:7.4f}  memory:  0.10GiB(1.00%)  tps: 1,000  mfu: n/a"
     line += "  grad_norm: {g:7.4f}  lr: 8.0000e-04"
@@ -167,3 +98,11 @@ def test_compare_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "compared 10 steps (1..10)" in out and "loss       max rel diff 2.0000% (step 7)" in out
     assert compare_main([str(a), str(b), "--rtol", "0.01"]) == 1
     assert compare_main([str(a), str(tmp_path / "missing.log")]) == 2
+    # Three runs, each against the first, and the loss picture (matplotlib, the dev extra).
+    c = tmp_path / "c.log"
+    c.write_text("\n".join(line.format(s=s, l=(8.0 - s * 0.1) * 1.1, g=1.0) for s in range(1, 11)))
+    png = tmp_path / "loss.png"
+    assert compare_main([str(a), str(b), str(c), "--rtol", "0.05", "--plot", str(png), "--labels", "x,y,z"]) == 1
+    out = capsys.readouterr().out
+    assert f"{c}: compared 10 steps" in out and "max rel diff 10.0000%" in out and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

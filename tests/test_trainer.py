@@ -240,13 +240,12 @@ def test_step_line_shape_and_peak_table() -> None:
 
 def test_compiling_steps() -> None:
     """The steps that keep the long collective timeout: warm-up, and each graph's first compiled step."""
-    assert compiling_steps(0, compile=False, eager_first_step=True, sqnr_freq=10) == {1}  # eager: warm-up only
-    assert compiling_steps(0, compile=True, eager_first_step=False, sqnr_freq=0) == {1}
-    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=0) == {1, 2}  # float8 check: eager 1
-    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=10) == {1, 2, 10}
-    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=2) == {1, 2, 3}
-    assert compiling_steps(0, compile=True, eager_first_step=True, sqnr_freq=1) == {1, 2}  # every step measures
-    assert compiling_steps(7, compile=True, eager_first_step=True, sqnr_freq=4) == {8, 9, 12}  # resumed at 7
+    assert compiling_steps(0, compile=False, eager_first_step=True, numerics_freq=10) == {1}  # eager: warm-up only
+    assert compiling_steps(0, compile=True, eager_first_step=False, numerics_freq=0) == {1}
+    assert compiling_steps(0, compile=True, eager_first_step=True, numerics_freq=0) == {1, 2}  # float8 check: eager 1
+    assert compiling_steps(0, compile=True, eager_first_step=True, numerics_freq=2) == {1, 3}  # numerics steps: eager
+    assert compiling_steps(0, compile=True, eager_first_step=True, numerics_freq=1) == {1}  # never compiles
+    assert compiling_steps(7, compile=True, eager_first_step=True, numerics_freq=3) == {8, 10}  # resumed at 7
 
 
 def test_collective_timeout_is_long_while_steps_may_compile(tmp_path: Path) -> None:

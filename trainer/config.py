@@ -265,13 +265,20 @@ class ActivationCheckpoint:
     selective_ac_option: str = _f("2", "With mode=selective: 'op' for per-op SAC, or N to checkpoint every Nth block.")
 
 
+# MXFP8 (torchao.prototype.moe_training's MXFP8TrainingOpConfig recipes): e4m3 elements in blocks of 32 along the
+# contraction dim, one power-of-two (e8m0) scale per block, rounded up (rceil); real kernels need Blackwell (SM100).
+MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
+MXFP8_BLOCK = 32
+
+
 @dataclass
 class Float8:
     enable_float8_linear: bool = _f(False, "Swap nn.Linear for torchao Float8Linear.")
     recipe_name: str | None = _f(
         None,
-        "torchao recipe; unset = tensorwise with the flags below.",
-        ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+        "torchao recipe; unset = tensorwise with the flags below. mxfp8_* = MXFP8 (32-element blocks, e8m0 scales; "
+        "Blackwell SM100, or --float8.emulate).",
+        ("tensorwise", "rowwise", "rowwise_with_gw_hp", *MXFP8_RECIPES),
     )
     enable_fsdp_float8_all_gather: bool = _f(False, "FSDP2 all-gathers weights in float8 (tensorwise only).")
     precompute_float8_dynamic_scale_for_fsdp: bool = _f(
@@ -282,11 +289,33 @@ class Float8:
     auto_filter_small_kn: bool = _f(
         False, "Also keep Linears whose GEMM is too small to gain in high precision (torchao's H100 thresholds)."
     )
-    sqnr_log_freq: int = _f(
+
+    numerics_log_freq: int = _f(
         0,
-        "Every N steps log each Float8Linear's output SQNR (dB) against a high-precision matmul; 0 = off.",
+        "Every N steps record each float8 Linear's operands (input, weight, grad_output): amax, scale, underflow and "
+        "saturation fractions, SQNR; the step runs eagerly; 0 = off.",
         valid=Range(lo=0, note="0 = off"),
     )
+    numerics_alarm_sqnr_db: float = _f(
+        20.0, "Warn once per layer when an operand's float8 SQNR falls below this many dB.", valid=POSITIVE
+    )
+    numerics_alarm_underflow: float = _f(
+        0.05,
+        "Warn once per layer when more than this fraction of an operand's nonzero elements underflow to zero.",
+        valid=Range(lo=0, hi=1),
+    )
+    high_precision_first_last: int = _f(
+        0, "Keep the first N and the last N transformer blocks in high precision.", valid=Range(lo=0)
+    )
+    disable_after_step: int = _f(
+        0,
+        "From the step after this one, every float8 Linear runs in high precision (the end of training); 0 = never.",
+        valid=Range(lo=0, note="0 = never"),
+    )
+
+    @property
+    def is_mxfp8(self) -> bool:
+        return self.recipe in MXFP8_RECIPES
 
     @property
     def recipe(self) -> str:
@@ -612,6 +641,18 @@ def validate(cfg: JobConfig) -> None:
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
+    _check(
+        not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or cfg.parallelism.tensor_parallel_degree == 1,
+        f"float8.recipe_name {cfg.float8.recipe} with parallelism.tensor_parallel_degree "
+        f"{cfg.parallelism.tensor_parallel_degree}: under TP the MXFP8 weights' matmuls run in high precision "
+        "(torchao 0.18's wrapper is bypassed by DTensor); use FSDP, or recipe_name rowwise with TP",
+    )
+    tokens = t.local_batch_size * t.seq_len
+    _check(
+        not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or tokens % MXFP8_BLOCK == 0,
+        f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {MXFP8_BLOCK} tokens, but "
+        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {MXFP8_BLOCK}",
+    )
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(
             os.path.isfile(cfg.model.tokenizer_path),
@@ -636,7 +677,9 @@ def _validate_float8(cfg: Float8) -> None:
                 ("precompute_float8_dynamic_scale_for_fsdp", cfg.precompute_float8_dynamic_scale_for_fsdp),
                 ("emulate", cfg.emulate),
                 ("auto_filter_small_kn", cfg.auto_filter_small_kn),
-                ("sqnr_log_freq", cfg.sqnr_log_freq > 0),
+                ("numerics_log_freq", cfg.numerics_log_freq > 0),
+                ("high_precision_first_last", cfg.high_precision_first_last > 0),
+                ("disable_after_step", cfg.disable_after_step > 0),
             )
             if on
         ]
@@ -649,6 +692,11 @@ def _validate_float8(cfg: Float8) -> None:
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather needs tensorwise scaling, but float8.recipe_name is "
             f"'{cfg.recipe}' (weights are scaled per row); turn the all-gather off or use recipe_name tensorwise"
+        )
+    if cfg.auto_filter_small_kn and cfg.is_mxfp8:
+        raise ConfigError(
+            f"float8.auto_filter_small_kn: torchao has no size thresholds for recipe_name {cfg.recipe}; "
+            "drop the flag and name the Linears to keep in float8.filter_fqns"
         )
     if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
         raise ConfigError(

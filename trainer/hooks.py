@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from float8.checks import Float8UsageProbe
-from float8.sqnr import Float8SQNRMonitor
+from float8.converter import switch_to_high_precision
+from float8.numerics import NumericsObservatory, iter_operand_values
+from float8.plots import write_heatmap
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.dist import set_collective_timeout
 from trainer.components.metrics import MetricsLogger
@@ -92,23 +98,115 @@ class ProfilingHook(StepHook):
         self._stack.close()
 
 
-class SQNRHook(StepHook):
-    """Per-layer float8 SQNR every `freq` steps, measured by forward hooks that are idle on other steps."""
+class NumericsHook(StepHook):
+    """The float8 numerics observatory (float8/numerics.py) every `cfg.numerics_log_freq` steps: those steps run
+    eagerly with recording hooks; the others are untouched. Writes `<folder>/rank_<r>.jsonl` on every rank (operands
+    are this rank's shards), TensorBoard scalars and a worst-layers line on the logging rank, and warns once per
+    layer when an operand's SQNR or underflow crosses the alarm thresholds."""
 
-    def __init__(self, model: nn.Module, freq: int, is_logging_rank: bool) -> None:
-        self.monitor, self.freq, self.is_logging_rank = Float8SQNRMonitor(model), freq, is_logging_rank
+    def __init__(
+        self, model: nn.Module, cfg: Float8, folder: str, rank: int, is_logging_rank: bool, writer: Any
+    ) -> None:
+        self.observatory = NumericsObservatory(model, cfg.recipe)
+        self.cfg, self.is_logging_rank, self.writer = cfg, is_logging_rank, writer
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, f"rank_{rank}.jsonl")
+        self.alarmed: set[str] = set()
 
     def pre_step(self, step: int) -> None:
-        self.monitor.active = step % self.freq == 0
+        self.observatory.active = step % self.cfg.numerics_log_freq == 0
+
+    def step_context(self, step: int) -> contextlib.AbstractContextManager:
+        # Compiled blocks would trace the hooks into a second graph; an eager step needs none and keeps them off
+        # the graphs every other step runs.
+        return torch.compiler.set_stance("force_eager") if self.observatory.active else contextlib.nullcontext()
 
     def post_step(self, out: StepOutput) -> None:
-        if self.monitor.active and self.is_logging_rank:
-            self.monitor.log(out.step)
-        elif self.monitor.active:
-            self.monitor.clear()  # other ranks measured too (collectives); drop the values
+        if not self.observatory.active:
+            return
+        self.observatory.active = False
+        stats = self.observatory.collect()
+        with open(self.path, "a", encoding="utf-8") as f:
+            for layer, entry in stats.items():
+                f.write(json.dumps({"step": out.step, "layer": layer, **_json_safe(entry)}, allow_nan=False) + "\n")
+        if not self.is_logging_rank or not stats:
+            return
+        if self.writer is not None:
+            for layer, entry in stats.items():
+                for operand, values in entry.items():
+                    if isinstance(values, dict):
+                        for stat, v in values.items():
+                            if math.isfinite(v):
+                                self.writer.add_scalar(f"float8/{layer}/{operand}/{stat}", v, out.step)
+        logger.info(worst_layers_line(out.step, stats))
+        self._alarms(out.step, stats)
+
+    def _alarms(self, step: int, stats: dict[str, dict[str, Any]]) -> None:
+        low, high = self.cfg.numerics_alarm_sqnr_db, self.cfg.numerics_alarm_underflow
+        for layer, entry in stats.items():
+            for operand, values in entry.items():
+                if layer in self.alarmed or not isinstance(values, dict):
+                    continue
+                problems = []
+                if values["sqnr_db"] < low:
+                    problems.append(f"SQNR {values['sqnr_db']:.1f} dB (alarm below {low:g})")
+                if values["underflow"] > high:
+                    problems.append(
+                        f"{values['underflow']:.1%} of nonzero elements underflow to 0 (alarm above {high:.1%})"
+                    )
+                if problems:
+                    self.alarmed.add(layer)
+                    logger.warning(
+                        f"float8 numerics alarm: {layer} {operand} at step {step}: {', '.join(problems)}; "
+                        f"suggested fix: {suggested_fix(self.cfg.recipe, layer, operand)}"
+                    )
 
     def close(self) -> None:
-        self.monitor.remove()
+        """Remove the hooks; on the logging rank, draw the JSONL as a PNG heatmap when matplotlib is installed."""
+        self.observatory.remove()
+        if not self.is_logging_rank or not os.path.exists(self.path):
+            return
+        try:
+            write_heatmap(self.path, self.path.replace(".jsonl", "_heatmap.png"))
+        except ImportError:
+            logger.info("float8 numerics: no heatmap PNG (matplotlib is not installed: pip install -e '.[plots]')")
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats as null (an exact cast has SQNR inf), so the JSONL is standard JSON."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def suggested_fix(recipe: str, layer: str, operand: str) -> str:
+    """What to try for a float8 layer in numerical trouble, finest-grained first."""
+    fixes = []
+    if recipe == "tensorwise":
+        fixes.append("--float8.recipe_name rowwise (one scale per row, e4m3 gradients)")
+    if operand == "grad_output" and recipe in ("rowwise", "mxfp8_rceil"):
+        fixes.append(
+            f"--float8.recipe_name {'rowwise_with_gw_hp' if recipe == 'rowwise' else 'mxfp8_rceil_wgrad_with_hp'} "
+            "(weight gradients in high precision)"
+        )
+    fixes.append(f"keep it in high precision: --float8.filter_fqns {layer}")
+    return "; or ".join(fixes)
+
+
+def worst_layers_line(step: int, stats: dict[str, dict[str, Any]], n: int = 3) -> str:
+    """'float8 numerics step S: lowest SQNR ...; most underflow ...; saturation ...': the few worst of each."""
+    sqnr = sorted(iter_operand_values(stats, "sqnr_db"), key=lambda t: t[2])[:n]
+    under = sorted(iter_operand_values(stats, "underflow"), key=lambda t: -t[2])[:n]
+    sat = max((v for _, _, v in iter_operand_values(stats, "saturation")), default=0.0)
+    outs = [e["output_sqnr_db"] for e in stats.values() if "output_sqnr_db" in e]
+    return (
+        f"float8 numerics step {step} ({len(stats)} layers): lowest SQNR (dB) "
+        + ", ".join(f"{layer} {op} {v:.1f}" for layer, op, v in sqnr)
+        + "; most underflow "
+        + ", ".join(f"{layer} {op} {v:.2%}" for layer, op, v in under)
+        + f"; max saturation {sat:.2%}"
+        + (f"; output SQNR min {min(outs):.1f} dB" if outs else "")
+    )
 
 
 class NonFiniteHook(StepHook):
@@ -154,24 +252,20 @@ class CheckpointHook(StepHook):
         self.checkpointer.maybe_save(out.step, last=out.last)
 
 
-def compiling_steps(start_step: int, compile: bool, eager_first_step: bool, sqnr_freq: int) -> set[int]:
+def compiling_steps(start_step: int, compile: bool, eager_first_step: bool, numerics_freq: int) -> set[int]:
     """The steps that may compile or warm up for minutes, while other ranks wait in a collective.
 
     Always the run's first step (warm-up; the compile too when nothing forces it eager). With compile, the first
-    compiled step: the one after, when the float8 check runs the first step eagerly. With float8 SQNR the
-    compiled blocks have two graphs, the measuring one on SQNR steps and the plain one on the others: the first
-    compiled step of each compiles.
+    compiled step: the one after, when the float8 check runs the first step eagerly, and never a float8 numerics
+    step (those run eagerly): the next one.
     """
     steps = {start_step + 1}
-    if not compile:
+    if not compile or numerics_freq == 1:  # numerics every step: nothing is ever compiled
         return steps
     first = start_step + (2 if eager_first_step else 1)
-    if not sqnr_freq:
-        return steps | {first}
-    steps.add(-(-first // sqnr_freq) * sqnr_freq)  # the first SQNR step
-    if sqnr_freq > 1:
-        steps.add(first if first % sqnr_freq else first + 1)  # the first plain step
-    return steps
+    if numerics_freq and first % numerics_freq == 0:
+        first += 1
+    return steps | {first}
 
 
 class CollectiveTimeoutHook(StepHook):
@@ -221,6 +315,30 @@ class StopHook(StepHook):
             f"stopped by SIGTERM after step {out.step} of {self.total_steps}; {what}"
             + ("; run the same command again to resume" if saved else "")
         )
+
+
+class Float8ScheduleHook(StepHook):
+    """float8.disable_after_step S: from step S + 1 on, every float8 Linear runs in high precision (the end of
+    training), by a switch of the modules' class that keeps parameters, FSDP and TP as they are.
+
+    The switch depends only on the step, so a run resumed past S switches before its first step: the checkpoint
+    needs no extra state. Compiled blocks recompile once at the switch (dynamo guards on module classes)."""
+
+    def __init__(self, model: nn.Module, after_step: int, total_steps: int) -> None:
+        self.model, self.after, self.switched = model, after_step, False
+        if after_step < total_steps:
+            logger.info(
+                f"float8 policy: float8 Linears switch to high precision after step {after_step} of {total_steps}"
+            )
+
+    def pre_step(self, step: int) -> None:
+        if not self.switched and step > self.after:
+            self.switched = True
+            names = switch_to_high_precision(self.model)
+            logger.info(
+                f"float8 policy: step {step}: {len(names)} float8 Linears now run in high precision "
+                f"(float8.disable_after_step {self.after})"
+            )
 
 
 class Float8CheckHook(StepHook):

@@ -33,6 +33,7 @@ import torch.nn as nn
 # Re-exported: these live only under private module paths. Checked on torch 2.11.0, 2.13.0.
 from torch._ops import OpOverload  # the type of `torch.ops.aten.mm.default`
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # set_custom_all_gather's base
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -179,6 +180,11 @@ def dtensor_local_tensor(t: Any) -> torch.Tensor:
     Checked on torch 2.11.0, 2.13.0 (`DTensor._local_tensor`).
     """
     return t._local_tensor
+
+
+def local_tensor_or_self(t: Any) -> Any:
+    """A DTensor's local shard object (`_local_tensor`, torch 2.11, 2.13); any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
@@ -366,6 +372,35 @@ def set_scheduler_last_lr(scheduler: Any, lrs: list[float]) -> None:
 
 
 # ----------------------------------------------------------------------------- float8 usage probe (float8/checks.py)
+
+
+def disable_torch_function_subclass() -> contextlib.AbstractContextManager:
+    """Turn off tensor subclasses' `__torch_function__` (torch._C.DisableTorchFunctionSubclass, torch 2.11, 2.13):
+    an op then reaches `__torch_dispatch__` directly, where torchao's weight wrappers unwrap to plain tensors."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def mxfp8_weight_data(t: Any) -> torch.Tensor:
+    """The high-precision tensor inside torchao's MXFP8TrainingWeightWrapperTensor (`_data`, torchao 0.18)."""
+    return t._data
+
+
+def mx_tensor_ops_table() -> dict[Any, Any]:
+    """torchao's aten-op table of MXTensor (`MXTensor._ATEN_OP_TABLE[MXTensor]`, torchao 0.18): its aten.mm and
+    addmm entries run every MXFP8 matmul of the MXFP8 training recipes (real or emulated)."""
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    return MXTensor._ATEN_OP_TABLE[MXTensor]
+
+
+def mx_matmul_is_emulated_and_traced(a: Any, b: Any) -> tuple[bool, bool]:
+    """For two MXTensor matmul operands: (emulated, traced): torchao's EMULATED kernel preference, and whether the
+    operands are fake tensors (a torch.compile trace). Reads `kernel_preference` and `qdata` (torchao 0.18)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    emulated = KernelPreference.EMULATED in (a.kernel_preference, b.kernel_preference)
+    return emulated, bool(is_fake(a.qdata))
 
 
 def float8_matmul_is_emulated_and_traced(a: Any, b: Any) -> tuple[bool, bool]:

@@ -38,11 +38,12 @@ from trainer.hooks import (
     CheckpointHook,
     CollectiveTimeoutHook,
     Float8CheckHook,
+    Float8ScheduleHook,
     GCHook,
     MetricsHook,
     NonFiniteHook,
+    NumericsHook,
     ProfilingHook,
-    SQNRHook,
     StepHook,
     StepOutput,
     StopHook,
@@ -271,10 +272,14 @@ class Trainer:
             GCHook(cfg.training.gc_freq),
             ProfilingHook(cfg.profiling, cfg.job.dump_folder, rank, self.device, self.step),
         ]
-        if self.float8 is not None:
+        after = cfg.float8.disable_after_step
+        if self.float8 is not None and after:
+            hooks.append(Float8ScheduleHook(self.model, after, cfg.training.steps))
+        if self.float8 is not None and not (after and self.step >= after):  # resumed past the switch: nothing to check
             hooks.append(Float8CheckHook(self.model, cfg.float8, self.parallel_dims.fsdp_enabled))
-            if cfg.float8.sqnr_log_freq:
-                hooks.append(SQNRHook(self.model, cfg.float8.sqnr_log_freq, self.is_logging_rank))
+        if self.float8 is not None and cfg.float8.numerics_log_freq:
+            folder = os.path.join(cfg.job.dump_folder, "float8_numerics")
+            hooks.append(NumericsHook(self.model, cfg.float8, folder, rank, self.is_logging_rank, self.metrics.writer))
         stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
 
         def must_check(out: StepOutput) -> bool:
@@ -283,12 +288,15 @@ class Trainer:
         metrics = MetricsHook(self.metrics, cfg.training.steps, self._global_mean_loss, force=lambda: stop.stopping)
         metrics.losses = self.losses
         hooks.insert(0, stop)
+        long_steps = compiling_steps(self.step, cfg.training.compile, False, cfg.float8.numerics_log_freq)
+        if cfg.training.compile and after:
+            long_steps.add(max(after, self.step) + 1)  # the blocks recompile at the switch
         hooks += [
             NonFiniteHook(self.nan_guard, must_check, self.checkpointer.folder),  # before metrics and saves
             metrics,
             CheckpointHook(self.checkpointer),
             CollectiveTimeoutHook(
-                compiling_steps(self.step, cfg.training.compile, False, cfg.float8.sqnr_log_freq),
+                long_steps,
                 cfg.comm.init_timeout_seconds,
                 cfg.comm.train_timeout_seconds,
             ),

@@ -76,6 +76,8 @@ def training_settings(
             "recipe_name": f8.recipe_name,
             "filter_fqns": list(f8.filter_fqns),
             "auto_filter_small_kn": f8.auto_filter_small_kn,
+            "high_precision_first_last": f8.high_precision_first_last,
+            "disable_after_step": f8.disable_after_step,
         },
         "training.mixed_precision_param": t.mixed_precision_param,
     }

@@ -199,16 +199,20 @@ def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons:
     status: dict[str, str] = {}
     for fqn in linear_fqns:
         module = modules[fqn]
-        if is_float8_linear(module):
+        if is_float8_linear(module) and f8.is_mxfp8:
+            status[fqn] = f"Float8 MXFP8 weight ({f8.recipe}: blocks of 32, e8m0 scales)"
+        elif is_float8_linear(module):
             status[fqn] = f"Float8Linear (weight scaling {module.config.cast_config_weight.scaling_granularity.value})"
         else:
             why = reasons.get(fqn) or ("float8.enable_float8_linear is off" if not f8.enable_float8_linear else "?")
             status[fqn] = f"high precision: {why}"
     n_f8 = sum(s.startswith("Float8") for s in status.values())
     recipe = f" (recipe {f8.recipe})" if f8.enable_float8_linear else ""
-    return [f"float8: {n_f8}/{len(status)} Linears converted{recipe}"] + [
-        f"  {pat:<34} x{n:<4} {value}" for pat, value, n in _group(status)
-    ]
+    policy = []
+    if f8.enable_float8_linear and f8.disable_after_step:
+        policy = [f"float8 policy: high precision from step {f8.disable_after_step + 1} (float8.disable_after_step)"]
+    rows = [f"  {pat:<34} x{n:<4} {value}" for pat, value, n in _group(status)]
+    return [f"float8: {n_f8}/{len(status)} Linears converted{recipe}", *rows, *policy]
 
 
 def _tp_styles(model: nn.Module, plan: Mapping[str, object] | None) -> dict[str, str]:
