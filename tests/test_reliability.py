@@ -447,11 +447,12 @@ def test_moved_data_resumes(tmp_path: Path, small_model: None) -> None:
 
 def test_check_resume_table() -> None:
     """Each row of docs/checkpoint.md's table: refused keys raise, handled and warned keys warn."""
+    model = {**{f.name: f.default for f in dataclasses.fields(ModelArgs)}, "dim": 64}  # as a run records it
     base = {
         "data": {"files": [["a.jsonl", 10]]},
         "model.tokenizer": "abc",
         "training.seq_len": 32,
-        "model": {"dim": 64},
+        "model": model,
         "training.steps": 10,
         "lr_scheduler": {"warmup_steps": 2},
         "optimizer.name": "AdamW",
@@ -462,7 +463,7 @@ def test_check_resume_table() -> None:
     }
     assert check_resume(base, dict(base), "ckpt") == []
     for key, new in [("data", {"hub": "allenai/c4/en"}), ("model.tokenizer", "abd"), ("training.seq_len", 64),
-                     ("model", {"dim": 64, "rope_theta": 1.0})]:  # fmt: skip
+                     ("model", {**model, "rope_theta": 1.0})]:  # fmt: skip
         with pytest.raises(CheckpointError, match=f"ckpt was saved with other {key} "):
             check_resume(base, {**base, key: new}, "ckpt")
     for key, new in [("training.steps", 20), ("lr_scheduler", {"warmup_steps": 5}), ("optimizer.eps", 0.2),
