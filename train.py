@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from trainer.train import Trainer
 
 
+def say(line: str) -> None:
+    """One line on stderr in a single write, so the lines of ranks sharing the stream never interleave."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (captured in tests)
+        print(line, file=sys.stderr)
+        return
+    os.write(fd, (line + "\n").encode())
+
+
 def _setup_logging() -> None:
     # torchrun (run_train.sh) prefixes each line with the rank itself.
     logging.basicConfig(
@@ -34,7 +45,7 @@ def report_user_error(e: Exception) -> int:
         with open(path, "a") as f:
             f.write(line + "\n")
     else:
-        print(line, file=sys.stderr)
+        say(line)
     return 2
 
 
@@ -50,7 +61,7 @@ def check_config(argv: list[str], world_size: int | None = None) -> int:
         if world_size is not None and not cfg.job.dry_run:  # the dry run simulates its own world
             validate_world(cfg, world_size)
     except UserError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
+        say(f"kiln: error: {e}")
         return 2
     return 0
 
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # stop now, one line, no traceback; a second Ctrl-C during the exit is ignored
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         where = f" at step {started[0].step}" if started else ""
-        print(f"kiln: interrupted by SIGINT (Ctrl-C){where}; nothing saved since the last checkpoint", file=sys.stderr)
+        say(f"kiln: interrupted by SIGINT (Ctrl-C){where}; nothing saved since the last checkpoint")
         return 130
 
 
@@ -116,16 +127,16 @@ def _run(argv: list[str] | None, started: list) -> int:
     except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1, a refused save
         return report_user_error(e)
     except NonFiniteError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
+        say(f"kiln: error: {e}")
         return 1
     except TrainingStopped as e:
-        print(f"kiln: {e}", file=sys.stderr)
+        say(f"kiln: {e}")
         return e.exit_code
     except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
         line = _lost_peers(trainer, e)
         if line is None:  # no rank is gone: not a lost peer, the traceback is the report
             raise
-        print(f"kiln: error: {line}", file=sys.stderr, flush=True)
+        say(f"kiln: error: {line}")
         return PEER_LOST_EXIT_CODE
     finally:
         trainer.close()
