@@ -59,6 +59,9 @@ if ! ready; then
     ready || { echo "torch $TORCH_VERSION environment in $VENV is incomplete" >&2; exit 1; }
 fi
 
+# Test-only extras added since the venv's first build (installed into an existing venv without rebuilding it).
+"$VENV/bin/python" -c "import matplotlib" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "matplotlib>=3.7"
 "$VENV/bin/python" -c "import torch, torchao; print(f'oldest-torch leg: torch {torch.__version__}, torchao {torchao.__version__}')"
 # kiln is imported from the checkout (tests put the repo root on sys.path), not installed into the venv; the
 # venv's bin/ goes first on PATH so tests that start `python`/`torchrun` (run_train.sh) get torch 2.11 too.
