@@ -196,6 +196,7 @@ def test_launcher_environment_mistakes(env: dict[str, str], needle: str, tmp_pat
     assert_one_line_error(proc, needle)
 
 
+@pytest.mark.slow  # starts torchrun and a rank
 def test_failure_that_is_no_user_mistake_keeps_torchruns_report(tmp_path: Path) -> None:
     """A diverging run (NonFiniteError, exit 1 in the rank) is not a user mistake: torchrun's report and exit 1."""
     args = tiny_run_args("--optimizer.lr", "1e30", "--training.steps", "5", "--job.dump_folder", str(tmp_path))
@@ -207,6 +208,7 @@ def test_failure_that_is_no_user_mistake_keeps_torchruns_report(tmp_path: Path) 
 # ----------------------------------------------------------------------------- paths and config precedence
 
 
+@pytest.mark.slow  # trains through run_train.sh
 def test_runs_from_any_directory_with_relative_paths(tmp_path: Path) -> None:
     """From a temporary directory: a relative CONFIG_FILE, dump folder and dataset; the bundled tokenizer is found
     through the config's kiln-relative `assets/...` path; the checkpoint lands under the launch directory."""
