@@ -7,6 +7,7 @@ offers the same as fixtures.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,3 +73,14 @@ def free_port() -> int:
 needs_cpu_rowwise = pytest.mark.skipif(
     not cpu_scaled_mm_supports_rowwise(), reason="this torch's CPU _scaled_mm has no per-row scales (torch 2.11)"
 )
+
+
+class LogLines(logging.Handler):
+    """Collects the messages of the loggers it is added to (at `level` and above), for tests to read back."""
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.common import DEBUG_CONFIG, ROOT
+from tests.common import DEBUG_CONFIG, ROOT, LogLines
 from tests.distributed import run_distributed
 
 F8 = ("--float8.enable_float8_linear", "--float8.recipe_name")
@@ -168,15 +168,6 @@ def reference(layout: str) -> Cell:
 # ----------------------------------------------------------------------------- running cells
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (inductor's compile workers): a cost measure that,
     unlike wall time, does not depend on what else the machine runs."""
@@ -192,7 +183,7 @@ def _run_cells(cells: list[Cell], folder: str) -> dict[str, dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     logger = logging.getLogger("kiln")
     logger.setLevel(logging.INFO)
-    records = _Records()
+    records = LogLines()
     logger.addHandler(records)
     out: dict[str, dict[str, Any]] = {}
     for i, cell in enumerate(cells):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.common import DEBUG_CONFIG
+from tests.common import DEBUG_CONFIG, LogLines
 from tests.distributed import run_distributed
 
 MX = ("--float8.enable_float8_linear", "--float8.emulate", "--float8.recipe_name")
@@ -138,15 +138,6 @@ RUNS = {  # name -> (layout, extra arguments); each is compared with its layout'
 }
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _train_all(runs: list[tuple[str, list[str]]], folder: str) -> dict[str, Any]:
     """On each rank: train each (name, argv) in turn; its losses and float8 log lines, or the error."""
     from trainer.config import parse_args
@@ -155,7 +146,7 @@ def _train_all(runs: list[tuple[str, list[str]]], folder: str) -> dict[str, Any]
     rank, world = dist.get_rank(), dist.get_world_size()
     logger = logging.getLogger("kiln")
     logger.setLevel(logging.INFO)
-    records = _Records()
+    records = LogLines()
     logger.addHandler(records)
     out: dict[str, Any] = {}
     for i, (name, argv) in enumerate(runs):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.common import DEBUG_CONFIG
+from tests.common import DEBUG_CONFIG, LogLines
 from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -62,15 +62,6 @@ SCENARIOS: dict[str, tuple[int, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _train(argv: list[str], store: str) -> list[float]:
     from trainer.config import parse_args
     from trainer.train import Trainer
@@ -92,7 +83,7 @@ RANK, WORLD = [0], [1]
 def _run_scenarios(ids: list[str], folder: str) -> dict[str, dict[str, Any]]:
     """On every rank of one spawned group: the straight run, then the resumed one, for each scenario."""
     RANK[0], WORLD[0] = dist.get_rank(), dist.get_world_size()
-    records = _Records()
+    records = LogLines(logging.WARNING)
     logging.getLogger("kiln").addHandler(records)
     out: dict[str, dict[str, Any]] = {}
     for i, sid in enumerate(ids):
