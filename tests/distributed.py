@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.common import free_port
+from tests.common import free_port, run_trainer
 
 TIMEOUT_S = 600
 
@@ -67,3 +67,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     if errors:
         raise AssertionError("distributed test failed on " + "\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def reopen_group(store: str) -> None:
+    """On a rank of a run_distributed group: join the group again after a Trainer closed it (Trainer.close ends the
+    default group), through a fresh file store `store`; rank and world size as _worker set them."""
+    if not dist.is_initialized():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def train_in_group(argv: list[str], store: str) -> Any:
+    """On a rank of a run_distributed group: build, train and close a Trainer from train.py arguments (the group
+    reopened through `store` if needed; compiled graphs of earlier runs dropped); the closed Trainer."""
+    reopen_group(store)
+    torch._dynamo.reset()  # each run compiles its own blocks, never reuses another run's graphs
+    return run_trainer(argv)

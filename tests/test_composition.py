@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tests.common import DEBUG_CONFIG, ROOT, LogLines
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_in_group
 
 F8 = ("--float8.enable_float8_linear", "--float8.recipe_name")
 # The float8 recipe axis. On a CPU the parameters are float32 in every cell (no native bf16 here): "bf16" is
@@ -177,27 +177,17 @@ def _cpu_seconds() -> float:
 
 def _run_cells(cells: list[Cell], folder: str) -> dict[str, dict[str, Any]]:
     """On each rank of one spawned group: train every cell in turn; what each logged and its losses."""
-    from trainer.config import parse_args
-    from trainer.train import Trainer
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     logger = logging.getLogger("kiln")
     logger.setLevel(logging.INFO)
     records = LogLines()
     logger.addHandler(records)
     out: dict[str, dict[str, Any]] = {}
     for i, cell in enumerate(cells):
-        if not dist.is_initialized():  # Trainer.close() ended the last group; a fresh store per cell
-            dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}", rank=rank, world_size=world)
-        torch._dynamo.reset()  # a cell compiles its own blocks, never reuses another cell's graphs
         records.lines.clear()
         t0, cpu0 = time.perf_counter(), _cpu_seconds()
         try:
-            trainer = Trainer(parse_args(cell.argv(f"{folder}/{cell.id}")))
-            try:
-                trainer.train()
-            finally:
-                trainer.close()
+            trainer = train_in_group(cell.argv(f"{folder}/{cell.id}"), f"{folder}/store_{i}")
             float8 = [line for line in records.lines if line.startswith("float8")]
             steps = [line for line in records.lines if line.startswith("step:")]
             seconds = {"wall": time.perf_counter() - t0, "cpu": _cpu_seconds() - cpu0}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.common import DEBUG_CONFIG, LogLines
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_in_group
 
 MX = ("--float8.enable_float8_linear", "--float8.emulate", "--float8.recipe_name")
 COMMON = (
@@ -140,26 +140,16 @@ RUNS = {  # name -> (layout, extra arguments); each is compared with its layout'
 
 def _train_all(runs: list[tuple[str, list[str]]], folder: str) -> dict[str, Any]:
     """On each rank: train each (name, argv) in turn; its losses and float8 log lines, or the error."""
-    from trainer.config import parse_args
-    from trainer.train import Trainer
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     logger = logging.getLogger("kiln")
     logger.setLevel(logging.INFO)
     records = LogLines()
     logger.addHandler(records)
     out: dict[str, Any] = {}
     for i, (name, argv) in enumerate(runs):
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}", rank=rank, world_size=world)
-        torch._dynamo.reset()
         records.lines.clear()
         try:
-            trainer = Trainer(parse_args([*argv, "--job.dump_folder", f"{folder}/{name}"]))
-            try:
-                trainer.train()
-            finally:
-                trainer.close()
+            trainer = train_in_group([*argv, "--job.dump_folder", f"{folder}/{name}"], f"{folder}/store_{i}")
             out[name] = {"losses": trainer.losses, "float8": [x for x in records.lines if x.startswith("float8")]}
         except Exception:
             out[name] = {"error": traceback.format_exc()}

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.common import DEBUG_CONFIG, LogLines
-from tests.distributed import run_distributed
+from tests.distributed import reopen_group, run_distributed, train_in_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -62,40 +61,25 @@ SCENARIOS: dict[str, tuple[int, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def _train(argv: list[str], store: str) -> list[float]:
-    from trainer.config import parse_args
-    from trainer.train import Trainer
-
-    if not dist.is_initialized():  # Trainer.close() ends the group; a fresh store for each run
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=RANK[0], world_size=WORLD[0])
-    torch._dynamo.reset()
-    trainer = Trainer(parse_args(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer.losses
-
-
-RANK, WORLD = [0], [1]
-
-
 def _run_scenarios(ids: list[str], folder: str) -> dict[str, dict[str, Any]]:
     """On every rank of one spawned group: the straight run, then the resumed one, for each scenario."""
-    RANK[0], WORLD[0] = dist.get_rank(), dist.get_world_size()
     records = LogLines(logging.WARNING)
     logging.getLogger("kiln").addHandler(records)
     out: dict[str, dict[str, Any]] = {}
     for i, sid in enumerate(ids):
         _, save_args, resume_args = SCENARIOS[sid]
         straight, resumed = Path(folder, sid, "straight"), Path(folder, sid, "resumed")
-        losses = _train([*COMMON, *save_args, "--job.dump_folder", str(straight)], f"{folder}/store_{i}_a")
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store_{i}_b", rank=RANK[0], world_size=WORLD[0])
-        if RANK[0] == 0:  # only step-2: the resumed run starts from it, as from a copy handed over
+        losses = train_in_group(
+            [*COMMON, *save_args, "--job.dump_folder", str(straight)], f"{folder}/store_{i}_a"
+        ).losses
+        reopen_group(f"{folder}/store_{i}_b")
+        if dist.get_rank() == 0:  # only step-2: the resumed run starts from it, as from a copy handed over
             shutil.copytree(straight / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
         dist.barrier()
         records.lines.clear()
-        after = _train([*COMMON, *resume_args, "--job.dump_folder", str(resumed)], f"{folder}/store_{i}_b")
+        after = train_in_group(
+            [*COMMON, *resume_args, "--job.dump_folder", str(resumed)], f"{folder}/store_{i}_b"
+        ).losses
         out[sid] = {"straight": losses, "resumed": after, "warnings": list(records.lines)}
     return out
 
