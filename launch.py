@@ -25,6 +25,9 @@ Every user mistake ends with exit status 2 and one line `kiln: error: ...` on st
   this launcher prints that line in place of torchrun's report (a log line per failed rank and a ChildFailedError
   traceback). Any other failure keeps torchrun's output and exit status.
 
+A SIGTERM or Ctrl-C ends with each rank's one line (what it saved) and the shell's status for the signal (143,
+130), without torchrun's traceback of its own signal.
+
 torchrun runs in this process (torch.distributed.run is the code behind the `torchrun` command) and run_train.sh
 execs this script, so signals (SIGTERM on preemption, Ctrl-C) reach torchrun as they did with `exec torchrun`,
 and the ranks' output streams live as before.
@@ -229,6 +232,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         # the first round's in the agent that was node 0 then: a restart after that node died waits for a store
         # that is gone, and a replacement node never joins (seen in tests/test_multinode.py's kill test).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import parse_args, run
 
@@ -245,6 +249,10 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         if reported is None:
             raise  # not a user mistake nor a lost rank: torchrun's report and exit status, unchanged
         return reported
+    except SignalException as e:
+        # SIGTERM or Ctrl-C: torchrun has passed it on to the ranks and waited for them, and each rank said what it
+        # saved; torchrun's traceback of its own signal would add nothing. The shell's status for that signal.
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -203,6 +204,31 @@ def test_failure_that_is_no_user_mistake_keeps_torchruns_report(tmp_path: Path) 
     proc = run_train(*args, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "ChildFailedError" in proc.stderr and "kiln: error: non-finite" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_run_train_sh_stops_both_ranks_with_their_line_and_exit_143(tmp_path: Path) -> None:
+    """SIGTERM (what a scheduler sends) to run_train.sh with 2 ranks: each rank saves and says so in one line, and
+    the launcher ends with the shell's status for SIGTERM, without torchrun's traceback of its own signal."""
+    args = tiny_run_args("--training.steps", "10000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000")
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
+    proc = subprocess.Popen(
+        ["bash", RUN_TRAIN, *args, "--job.dump_folder", "run"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:  # both ranks log; the first step line means the loop runs
+        if "step:  1 " in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    assert "Traceback" not in out + err and "SignalException" not in out + err, err[-3000:]
+    stops = [line.split("kiln: ", 1)[1] for line in err.splitlines() if "kiln: stopped by SIGTERM" in line]
+    assert len(stops) == 2 and stops[0] == stops[1], err[-3000:]
+    saved = tmp_path / "run" / "checkpoint" / stops[0].split("; saved ")[1].split(";")[0].rsplit("/", 1)[-1]
+    assert (saved / ".metadata").is_file(), stops[0]
 
 
 # ----------------------------------------------------------------------------- paths and config precedence
