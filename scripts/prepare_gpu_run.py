@@ -212,66 +212,12 @@ def check_closure(wheels: list[Path]) -> list[str]:
 
 
 def tiktoken_to_hf(model_path: Path) -> dict:
-    """kiln's tiktoken BPE (assets/tokenizer/tokenizer.model) as a Hugging Face tokenizer.json: byte-level BPE
-    with Llama3's split pattern and the same 256 special tokens, so both give the same ids."""
-    from trainer.components.tokenizer import PAT_STR, SPECIAL_TOKENS, _load_ranks
+    """kiln's tiktoken BPE as a Hugging Face tokenizer.json for torchtitan (the same ids): the one kiln's HF export
+    writes, without its BOS post-processor, since torchtitan adds BOS itself from tokenizer_config.json."""
+    from trainer.components.hf import tokenizer_json
+    from trainer.components.tokenizer import Tokenizer
 
-    ranks = _load_ranks(str(model_path))
-    # GPT-2's byte <-> printable-unicode table, which byte-level BPE vocabularies are written in.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-
-    def text(token: bytes) -> str:
-        return "".join(table[b] for b in token)
-
-    # tiktoken merges whichever adjacent pair forms the lowest-ranked token, however that token splits; so every
-    # split of a token into two tokens is a merge, with the merged token's rank as its priority.
-    merges = []
-    for token, rank in ranks.items():
-        for i in range(1, len(token)):
-            left, right = token[:i], token[i:]
-            if left in ranks and right in ranks:
-                merges.append((rank, ranks[left], ranks[right], text(left), text(right)))
-    added = [
-        {"id": len(ranks) + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False}
-        | {"normalized": False, "special": True}
-        for i, t in enumerate(SPECIAL_TOKENS)
-    ]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": PAT_STR}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-            ],
-        },
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": True,
-            "vocab": {text(t): r for t, r in ranks.items()},
-            "merges": [[m[3], m[4]] for m in sorted(merges)],
-        },
-    }
+    return tokenizer_json(Tokenizer(str(model_path))) | {"post_processor": None}
 
 
 def write_torchtitan(folder: Path) -> None:
