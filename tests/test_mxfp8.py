@@ -83,6 +83,25 @@ def test_mxfp8_linear_adds_its_bias() -> None:
     assert 1e-3 < _rel(mx(x), ref(x)) < 0.05  # MXFP8's error only; without the bias the output is off by ~100%
 
 
+def test_mxfp8_checkpoint_state_is_plain(tmp_path: Path) -> None:
+    """What a checkpoint saves of an MXFP8 Linear, weight and AdamW states alike (zeros_like keeps torchao's wrapper
+    class), is plain tensors sharing the parameter's storage: DCP's torch.load(weights_only=True) refused the
+    wrapper class, so no MXFP8 run could resume."""
+    from trainer.components.checkpoint import plain_tensor
+
+    mx, _ = _mx_linear("mxfp8_rceil")
+    opt = torch.optim.AdamW(mx.parameters())
+    mx(torch.randn(32, 64)).sum().backward()
+    opt.step()
+    state = {"weight": plain_tensor(mx.weight), **{k: plain_tensor(v) for k, v in opt.state[mx.weight].items()}}
+    assert {type(t) for t in state.values()} == {torch.Tensor}
+    torch.save(state, tmp_path / "state.pt")
+    torch.load(tmp_path / "state.pt", weights_only=True)
+    with torch.no_grad():
+        state["weight"].zero_()  # a load in place writes the parameter itself
+    assert not mx(torch.randn(32, 64)).any()
+
+
 def test_mxfp8_conversion_decisions() -> None:
     """Which Linears get MXFP8 weights: dims must divide by 32 (by 32 x tp_degree under TP, where each rank scales
     blocks of its own shard), filter_fqns and the first/last policy apply."""
