@@ -156,7 +156,7 @@ def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0, tp_degre
     k, n = linear.in_features, linear.out_features
     multiple = MXFP8_BLOCK * tp_degree if cfg.is_mxfp8 else 16  # MXFP8: blocks of 32 along K (and N for grad_input)
     if k % multiple or n % multiple:  # torch._scaled_mm needs both GEMM dims divisible by 16
-        per_rank = f" ({MXFP8_BLOCK} per rank x tensor_parallel_degree {tp_degree})" if multiple != MXFP8_BLOCK else ""
+        per_rank = f" ({MXFP8_BLOCK} per rank x tensor_parallel_degree {tp_degree})" if multiple > MXFP8_BLOCK else ""
         return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by {multiple}{per_rank}")
     if cfg.auto_filter_small_kn:
         reason = too_small_to_gain(cfg.recipe, k, n)
