@@ -1,6 +1,6 @@
 """The float8 model converter: `[float8]` config -> torchao Float8LinearConfig -> Float8Linear modules, or for
-the MXFP8 recipes MXFP8TrainingOpConfig -> nn.Linear modules whose weight is torchao's MXFP8 training wrapper
-tensor (its F.linear runs the three GEMMs in MXFP8). "float8 Linear" below means either.
+the MXFP8 recipes MXFP8TrainingOpConfig -> MXFP8Linear modules whose weight is torchao's MXFP8 training wrapper
+tensor (its F.linear runs the three GEMMs in MXFP8, also on TP shards). "float8 Linear" below means either.
 
 The Trainer calls `build_float8_converter(cfg)` before anything heavy (it checks torchao and the GPU), then
 `convert(model)` on the meta-device model before parallelisation, and `post_optimizer_hook(model)` after each
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from float8.validation import check_float8_environment
 from trainer.config import MXFP8_BLOCK, Float8
@@ -39,10 +40,54 @@ def is_mxfp8_weight(weight: torch.Tensor | None) -> bool:
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    """Whether `module` runs its matmuls in float8: torchao's Float8Linear, or an nn.Linear with an MXFP8 training
-    weight. By class name, so asking never imports torchao. A Linear switched to high precision answers False."""
-    name = type(module).__name__
-    return name == "Float8Linear" or (name == "Linear" and is_mxfp8_weight(getattr(module, "weight", None)))
+    """Whether `module` runs its matmuls in float8: torchao's Float8Linear, or an MXFP8Linear with its MXFP8 training
+    weight. Never imports torchao to ask. A Linear switched to high precision answers False."""
+    if isinstance(module, MXFP8Linear):
+        return is_mxfp8_weight(module.weight)
+    return type(module).__name__ == "Float8Linear"
+
+
+class MXFP8Linear(nn.Linear):
+    """An nn.Linear whose weight is torchao's MXFP8 training wrapper tensor: F.linear reaches the wrapper's
+    `__torch_function__`, which runs the three GEMMs in MXFP8 (torchao's `_to_mxfp8_then_scaled_mm`).
+
+    Under TP the weight is a DTensor around the wrapper. DTensor has no `__torch_function__`: it decomposes F.linear
+    and hands aten.mm to the local tensors, whose dispatch unwraps to a plain matmul, so the wrapper would silently
+    run high precision (torchao 0.18; pytorch/ao#4010 reverses the nesting upstream). Here the matmul runs on the
+    local shards instead, where the wrapper sees F.linear, and the result becomes a DTensor again
+    (`_linear_on_local_shards`). The TP styles around the module are torch's own ColwiseParallel/RowwiseParallel.
+
+    torchao's wrapper ignores F.linear's bias (0.18), so the bias is added here, outside the MXFP8 matmul.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        out = _linear_on_local_shards(x, w) if isinstance(w, DTensor) else F.linear(x, w)
+        return out if self.bias is None else out + self.bias
+
+
+def _linear_on_local_shards(x: torch.Tensor, weight: DTensor) -> DTensor:
+    """F.linear(x, weight) computed from each rank's shards, with the placements DTensor's own sharded matmul gives.
+
+    Per mesh dim: a colwise weight (Shard(0), out_features split) needs all of x and gives out Shard(-1); x's
+    gradient is then a partial sum over ranks. A rowwise weight (Shard(1), in_features split) needs x split the same
+    way (Shard(-1)) and gives a partial sum (Partial, reduced by RowwiseParallel's output redistribution). Each rank
+    scales whole blocks of 32 of its own shard, as one process would: the MXFP8 decision asks that every dim split
+    by TP divide into blocks of 32 per rank (`decide`), so the numbers match one process up to summation order.
+    """
+    assert isinstance(x, DTensor), f"a TP-sharded MXFP8 Linear got a {type(x).__name__} input, not a DTensor"
+    last = x.ndim - 1
+    # weight placement -> (what x must be, what the output is, what x's gradient is)
+    rules: dict[Placement, tuple[Placement, Placement, Placement]] = {
+        Shard(0): (Replicate(), Shard(last), Partial()),
+        Shard(1): (Shard(last), Partial(), Shard(last)),
+    }
+    # The TP plan makes every Linear colwise or rowwise; FSDP's dim is all-gathered before forward.
+    assert all(p in rules for p in weight.placements), f"MXFP8 Linear weight placements {weight.placements}"
+    want, out, x_grad = zip(*(rules[p] for p in weight.placements))
+    x = x.redistribute(placements=want)  # a no-op under kiln's plan: the TP styles already deliver these layouts
+    y = F.linear(x.to_local(grad_placements=x_grad), weight.to_local())
+    return DTensor.from_local(y, weight.device_mesh, out, run_check=False)
 
 
 class HighPrecisionLinear(nn.Linear):
@@ -98,9 +143,10 @@ def too_small_to_gain(recipe: str, in_features: int, out_features: int) -> str |
 _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0) -> LinearDecision:
+def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0, tp_degree: int = 1) -> LinearDecision:
     """Float8 or not for one Linear, in order: named in filter_fqns, in the first/last blocks kept high precision,
-    dims not divisible by 16 (32 for MXFP8), too small."""
+    dims not divisible by 16 (MXFP8: 32, and with TP 32 x tp_degree, since each rank scales its own shard's
+    blocks of 32 and TP splits one of the two dims), too small."""
     matched = [f for f in cfg.filter_fqns if f in fqn]
     if matched:
         return LinearDecision(fqn, False, f"filter_fqns '{matched[0]}'")
@@ -108,9 +154,10 @@ def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0) -> Linea
     if keep and block and (int(block.group(1)) < keep or int(block.group(1)) >= n_layers - keep):
         return LinearDecision(fqn, False, f"high_precision_first_last {keep} (block {block.group(1)} of {n_layers})")
     k, n = linear.in_features, linear.out_features
-    multiple = MXFP8_BLOCK if cfg.is_mxfp8 else 16  # MXFP8 scales blocks of 32 along K (and along N for grad_input)
+    multiple = MXFP8_BLOCK * tp_degree if cfg.is_mxfp8 else 16  # MXFP8: blocks of 32 along K (and N for grad_input)
     if k % multiple or n % multiple:  # torch._scaled_mm needs both GEMM dims divisible by 16
-        return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by {multiple}")
+        per_rank = f" ({MXFP8_BLOCK} per rank x tensor_parallel_degree {tp_degree})" if multiple > MXFP8_BLOCK else ""
+        return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by {multiple}{per_rank}")
     if cfg.auto_filter_small_kn:
         reason = too_small_to_gain(cfg.recipe, k, n)
         if reason:
@@ -139,6 +186,15 @@ def mxfp8_training_config(cfg: Float8) -> MXFP8TrainingOpConfig:
     return dataclasses.replace(base, kernel_preference=KernelPreference.EMULATED) if cfg.emulate else base
 
 
+def _as_mxfp8_linear(linear: nn.Module) -> MXFP8Linear:
+    """An MXFP8Linear holding `linear`'s own parameters (built on meta: nothing allocated, nothing initialised)."""
+    assert type(linear) is nn.Linear, f"{type(linear).__name__} is not an nn.Linear"
+    with torch.device("meta"):
+        new = MXFP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
+
+
 def _cast_input_to_autocast_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook: Float8Linear honours only CUDA autocast when casting its input. Under CPU autocast
     the input stayed fp32 while grad_output came back bf16, and rowwise_with_gw_hp's high-precision
@@ -157,10 +213,12 @@ def _summarise(fqns: list[str]) -> str:
 
 
 class Float8Converter:
-    """Swaps the selected nn.Linear modules for torchao Float8Linear; runs the FSDP amax precompute hook."""
+    """Swaps the selected nn.Linear modules for torchao Float8Linear (MXFP8: MXFP8Linear with torchao's weight wrapper);
+    runs the FSDP amax precompute hook."""
 
-    def __init__(self, cfg: Float8) -> None:
+    def __init__(self, cfg: Float8, tp_degree: int = 1) -> None:
         self.cfg = cfg
+        self.tp_degree = tp_degree
         self.recipe = cfg.recipe
         self.config = mxfp8_training_config(cfg) if cfg.is_mxfp8 else float8_linear_config(cfg)
         self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
@@ -171,7 +229,7 @@ class Float8Converter:
 
         n_layers = len(getattr(model, "layers", ()))
         self.decisions = [
-            decide(fqn, mod, self.cfg, n_layers)
+            decide(fqn, mod, self.cfg, n_layers, self.tp_degree if self.cfg.is_mxfp8 else 1)
             for fqn, mod in model.named_modules()
             if isinstance(mod, nn.Linear) and not is_float8_linear(mod)
         ]
@@ -179,7 +237,9 @@ class Float8Converter:
         if self.cfg.is_mxfp8:
             from torchao.quantization import quantize_
 
-            quantize_(model, self.config, filter_fn=lambda mod, fqn: fqn in chosen and isinstance(mod, nn.Linear))
+            for fqn in chosen:
+                model.set_submodule(fqn, _as_mxfp8_linear(model.get_submodule(fqn)))
+            quantize_(model, self.config, filter_fn=lambda mod, fqn: fqn in chosen)
         else:
             convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
         for fqn, mod in model.named_modules():
@@ -215,9 +275,10 @@ class Float8Converter:
             precompute_float8_dynamic_scale_for_fsdp(part)
 
 
-def build_float8_converter(cfg: Float8) -> Float8Converter | None:
-    """None when float8 is off; otherwise check torchao and the GPUs first (ConfigError, exit 2)."""
+def build_float8_converter(cfg: Float8, tp_degree: int = 1) -> Float8Converter | None:
+    """None when float8 is off; otherwise check torchao and the GPUs first (ConfigError, exit 2). `tp_degree`:
+    MXFP8 Linears need blocks of 32 in each rank's shard."""
     if not cfg.enable_float8_linear:
         return None
     check_float8_environment(cfg)
-    return Float8Converter(cfg)
+    return Float8Converter(cfg, tp_degree)

@@ -193,7 +193,7 @@ def test_trainer_checks_float8_at_first_step(
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture,
 ) -> None:
-    monkeypatch.setattr(trainer_module, "build_float8_converter", lambda cfg: _Converter(cfg, mode))
+    monkeypatch.setattr(trainer_module, "build_float8_converter", lambda cfg, tp_degree: _Converter(cfg, mode))
     caplog.set_level(logging.INFO, logger="kiln")
     argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
     argv += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1"]

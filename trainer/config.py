@@ -641,12 +641,6 @@ def validate(cfg: JobConfig) -> None:
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
-    _check(
-        not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or cfg.parallelism.tensor_parallel_degree == 1,
-        f"float8.recipe_name {cfg.float8.recipe} with parallelism.tensor_parallel_degree "
-        f"{cfg.parallelism.tensor_parallel_degree}: under TP the MXFP8 weights' matmuls run in high precision "
-        "(torchao 0.18's wrapper is bypassed by DTensor); use FSDP, or recipe_name rowwise with TP",
-    )
     tokens = t.local_batch_size * t.seq_len
     _check(
         not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or tokens % MXFP8_BLOCK == 0,

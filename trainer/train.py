@@ -82,7 +82,7 @@ class Trainer:
     def _build(self, cfg: JobConfig) -> None:
         t = cfg.training
         # float8's environment checks (torchao version, GPU capability) fail fast, before any process group.
-        self.float8 = build_float8_converter(cfg.float8)
+        self.float8 = build_float8_converter(cfg.float8, cfg.parallelism.tensor_parallel_degree)
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
         self.peers = PeerWatch.maybe_start()  # names the lost ranks when a collective fails (train.py)
         if self.device.type == "cpu":

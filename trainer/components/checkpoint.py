@@ -54,7 +54,7 @@ from trainer.components.checkpoint_folder import (
 from trainer.components.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, load_metadata
 from trainer.config import Checkpoint
 from trainer.errors import CheckpointError
-from trainer.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner
+from trainer.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -112,9 +112,11 @@ def check_stored_args(entry: Entry, model: Any) -> None:
 
 
 def plain_tensor(t: Any) -> Any:
-    """A tensor with torchao's float8 weight wrapper removed (same storage), anything else unchanged.
+    """A tensor with torchao's float8 or MXFP8 weight wrapper removed (same storage), anything else unchanged.
 
-    Under FSDP float8 all-gather the sharded weights are WeightWithDynamicFloat8CastTensor (inside a DTensor).
+    Under FSDP float8 all-gather the sharded weights are WeightWithDynamicFloat8CastTensor (inside a DTensor);
+    under the MXFP8 recipes the weights and AdamW's states of them (zeros_like keeps the class) are
+    MXFP8TrainingWeightWrapperTensor, plain or inside a DTensor.
     Saved as such, every load would need torchao imported first (DCP loads tensors with
     torch.load(weights_only=True), which accepts the class only once torchao registers it as a safe global):
     a bf16 run or scripts/convert_hf.py could not read a float8 run's checkpoint. So saves hold the plain
@@ -127,6 +129,8 @@ def plain_tensor(t: Any) -> Any:
         if inner is local:
             return t
         return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    if type(t).__name__ == "MXFP8TrainingWeightWrapperTensor":
+        return mxfp8_weight_data(t)
     inner = float8_weight_inner(t)
     return t if inner is None else inner
 

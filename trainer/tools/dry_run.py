@@ -149,7 +149,7 @@ def dry_run(cfg: JobConfig) -> str:
         )
         dims.build_mesh("cpu")
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
-        converter = build_float8_converter(f8)
+        converter = build_float8_converter(f8, p.tensor_parallel_degree)
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
         built = build_model(cfg, dims, vocab, converter, source.args if source else None, path or "")
