@@ -19,8 +19,9 @@ The config is checked for NNODES x NGPU ranks on every node before torchrun star
 
 Every user mistake ends with exit status 2 and one line `kiln: error: ...` on stderr:
 
-- what the config and NGPU decide is checked here before any rank starts (standard library, instant);
-- what only a rank can find (a tokenizer file's contents, a checkpoint of another model, a bad record) the rank
+- what the config and NGPU decide, and the files read first (tokenizer, dataset name, a local dataset's first
+  record), are checked here before any rank starts (train.check_config: no torch, instant);
+- what only a rank can find (a checkpoint of another model, a dataset too small for one sequence) the rank
   appends as one line to KILN_ERROR_FILE before it exits 2 (train.report_user_error); torchrun then fails, and
   this launcher prints that line in place of torchrun's report (a log line per failed rank and a ChildFailedError
   traceback). Any other failure keeps torchrun's output and exit status.

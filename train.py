@@ -50,20 +50,34 @@ def report_user_error(e: Exception) -> int:
 
 
 def check_config(argv: list[str], world_size: int | None = None) -> int:
-    """Validate the config only (standard library, instant): run_train.sh calls it before torchrun, whose
-    launcher would otherwise turn a one-line config error into exit 1 and a traceback per rank. With the
-    world size (the launcher knows NGPU) the parallel degrees and the global batch are checked too."""
+    """Validate the config and the files it names first (no torch, instant): run_train.sh calls it before
+    torchrun, so a mistake is one line before any rank starts. With the world size (the launcher knows NGPU) the
+    parallel degrees and the global batch are checked too."""
     from trainer.config import parse_args, validate_world
     from trainer.errors import UserError
 
     try:
         cfg = parse_args(argv)
-        if world_size is not None and not cfg.job.dry_run:  # the dry run simulates its own world
-            validate_world(cfg, world_size)
+        if not cfg.job.dry_run:  # the dry run simulates its own world and plans for files that may be elsewhere
+            if world_size is not None:
+                validate_world(cfg, world_size)
+            if not cfg.job.print_config:
+                check_inputs(cfg)
     except UserError as e:
         say(f"kiln: error: {e}")
         return 2
     return 0
+
+
+def check_inputs(cfg: JobConfig) -> None:
+    """The files a run reads first, without torch (instant): the tokenizer parses, the dataset is registered and
+    its local files start with a good record. Before torchrun (launch.py) and before a rank imports torch; the
+    Trainer meets the same errors through the same functions when built directly."""
+    from trainer.components.data_sources import check_data_source
+    from trainer.components.tokenizer import load_tokenizer
+
+    load_tokenizer(cfg.model.tokenizer_path)
+    check_data_source(cfg.training)
 
 
 def _log_paths(cfg: JobConfig) -> None:
@@ -75,7 +89,7 @@ def _log_paths(cfg: JobConfig) -> None:
     if cfg.training.dataset_path is not None:
         log.info(f"Dataset: {cfg.training.dataset_path}")
     else:
-        from trainer.components.data import DATASETS
+        from trainer.components.data_sources import DATASETS
 
         spec = DATASETS.get(cfg.training.dataset)
         where = f" ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else ""
@@ -112,6 +126,7 @@ def _run(argv: list[str] | None, started: list) -> int:
 
             print(dry_run(cfg))
             return 0
+        check_inputs(cfg)
         from trainer.components.dist import PEER_LOST_EXIT_CODE
         from trainer.components.preemption import TrainingStopped
         from trainer.tools.guards import NonFiniteError

@@ -107,13 +107,13 @@ MISTAKES = [
         "training.seq_len (33) must be divisible",
         True,
     ),
-    ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", False),
-    ("dataset_name", ["--training.dataset", "nosuch"], "training.dataset: unknown dataset 'nosuch'", False),
+    ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", True),
+    ("dataset_name", ["--training.dataset", "nosuch"], "training.dataset: unknown dataset 'nosuch'", True),
     (
         "dataset_record",
         ["--training.dataset_path", "{dir}/notext.jsonl"],
         "record 1 (line 1): no 'text' field (has: body)",
-        False,
+        True,
     ),
     (
         "dataset_too_small",
@@ -181,6 +181,21 @@ def test_mistake_is_one_line_exit_2(
         assert "[rank0]" not in proc.stdout and len(proc.stderr.splitlines()) == 1, proc.stdout[-2000:]
     else:  # found by a rank, reported once by the launcher
         assert "[rank0]" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(("ngpu", "args", "needle", "pre"), _params(2) + _params(1))
+def test_launcher_precheck_catches_exactly_the_pre_mistakes(
+    ngpu: int, args: list[str], needle: str, pre: bool, bad_files: dict[str, str], capfd: pytest.CaptureFixture
+) -> None:
+    """The launcher's check before torchrun (train.check_config with the world size) finds the mistakes marked as
+    found before any rank starts, with their line, and passes the others on to the ranks."""
+    import train
+
+    paths = dict(bad_files, ckpt2=str(bad_files["dir"]))  # no rank runs here: any folder stands in for ckpt2
+    status = train.check_config([*tiny_run_args(), *(a.format(**paths) for a in args)], world_size=ngpu)
+    err = capfd.readouterr().err
+    assert status == (2 if pre else 0), err
+    assert (needle in err) == pre, err
 
 
 @pytest.mark.parametrize(

@@ -31,9 +31,8 @@ from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume, file_sha256, training_settings
-from trainer.components.tokenizer import Tokenizer
+from trainer.components.tokenizer import load_tokenizer
 from trainer.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
-from trainer.errors import ConfigError
 from trainer.hooks import (
     CheckpointHook,
     CollectiveTimeoutHook,
@@ -114,10 +113,7 @@ class Trainer:
         self.grad_accum_steps = self._grad_accum_steps(dp_degree)
         set_determinism(t.seed, t.deterministic)
 
-        try:
-            self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.tokenizer_path: {e}") from None
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree, pin_memory=self.device.type == "cuda")
 
         built = build_model(

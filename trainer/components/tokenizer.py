@@ -13,6 +13,8 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from trainer.errors import ConfigError
+
 # tiktoken's Rust encoder can overflow its stack on huge inputs; Llama3 splits before encoding.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
@@ -66,6 +68,14 @@ def _load_ranks(model_path: str) -> dict[bytes, int]:
     if any(bytes([b]) not in ranks for b in range(256)):
         raise ValueError(f"tokenizer file {model_path} lacks some single-byte tokens; {hint}")
     return ranks
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at `model.tokenizer_path`; a missing or malformed file is a ConfigError naming the key."""
+    try:
+        return Tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
 
 
 class Tokenizer:

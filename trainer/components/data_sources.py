@@ -1,0 +1,171 @@
+"""Where the text comes from: the registered datasets, local files and their formats, the first-record check,
+and the streaming HF `datasets` source. Torch-free, so the launcher and train.py check a dataset before any
+rank imports torch (`check_data_source`); trainer/components/data.py tokenizes and batches what this yields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import ConfigError, Training
+from trainer.errors import DataError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    path: str  # local file/folder, or a hub dataset id when `hub` is set
+    hub_config: str | None = None
+    hub: bool = False
+    text_key: str = "text"
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "kiln_corpus": DatasetSpec(os.path.join(REPO_ROOT, "assets", "corpus", "kiln_corpus.jsonl")),
+    "c4": DatasetSpec("allenai/c4", hub_config="en", hub=True),
+}
+
+
+def _registered(name: str) -> DatasetSpec:
+    if name not in DATASETS:
+        raise ConfigError(
+            f"training.dataset: unknown dataset '{name}'; registered: {', '.join(DATASETS)} "
+            "(or set training.dataset_path)"
+        )
+    return DATASETS[name]
+
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def _local_files(path: str) -> tuple[str, list[str]]:
+    """The `datasets` builder name and the data files for a local file or folder."""
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(root, f)
+            for root, _, names in os.walk(path)
+            for f in names
+            if os.path.splitext(f)[1] in _FORMATS
+        )
+    else:
+        files = [path]
+    if not files:
+        raise ConfigError(f"training.dataset_path: no .jsonl/.json/.parquet/.txt files under {path}")
+    kinds = {_FORMATS.get(os.path.splitext(f)[1]) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(
+            f"training.dataset_path: {path} must hold files of one format: .jsonl, .json, .parquet or .txt"
+        )
+    kind = kinds.pop()
+    assert kind is not None
+    for f in files:
+        _check_readable(f, kind)
+    return kind, files
+
+
+def _check_readable(path: str, kind: str) -> None:
+    """Fail now, naming the file, rather than mid-run: open it and check its first record."""
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.read_metadata(path)
+            return
+        problem = first_bad_record(path, "text", max_records=1)
+    except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
+        raise DataError(f"data file {path}: cannot read: {e}") from None
+    if problem is not None:
+        raise DataError(f"data file {path}, {problem}")
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
+
+
+def record_problem(record: Any, key: str) -> str | None:
+    """Why `record` (a parsed record) cannot be trained on, or None."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {_JSON_TYPES.get(type(record), type(record).__name__)}"
+    if key not in record:
+        return f"no '{key}' field (has: {', '.join(record) or 'nothing'})"
+    value = record[key]
+    if value is None:
+        return f"'{key}' is null"
+    if not isinstance(value, str):
+        return f"'{key}' is {_JSON_TYPES.get(type(value), type(value).__name__)}, not a string"
+    return None
+
+
+def first_bad_record(path: str, key: str, max_records: int | None = None) -> str | None:
+    """'record R (line L): why' for the first record of a .jsonl or .txt file that cannot be trained on.
+
+    Used before training (first record) and after `datasets` failed or yielded a bad value, to name the exact
+    line: `datasets` reads JSON in blocks, so its own error cannot say which line (blank lines are not records).
+    """
+    ext = os.path.splitext(path)[1]
+    if ext not in (".jsonl", ".txt"):
+        return None
+    record = 0
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if max_records is not None and record >= max_records:
+                return None
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"record {record + 1} (line {line_no}): not UTF-8 (byte 0x{raw[e.start]:02x})"
+            if ext == ".txt":  # every line is a record
+                record += 1
+                continue
+            if not line.strip():  # JSON Lines readers skip blank lines
+                continue
+            record += 1
+            try:
+                problem = record_problem(json.loads(line.rstrip("\r\n")), key)
+            except json.JSONDecodeError as e:
+                return f"record {record} (line {line_no}): not valid JSON ({e.msg}, column {e.colno})"
+            if problem is not None:
+                return f"record {record} (line {line_no}): {problem}; every record needs a string '{key}' field"
+    return None
+
+
+def load_text_dataset(name: str, path: str | None) -> tuple[Any, list[str] | None]:
+    """A streaming HF IterableDataset for a registered name or a local path, and its shards' file names
+    (None for a hub dataset)."""
+    import datasets  # lazy: heavy import
+
+    if path is None:
+        spec = _registered(name)
+        if spec.hub:
+            try:
+                return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True), None
+            except Exception as e:  # offline, gated, renamed: whatever the hub says, it is not a kiln bug
+                raise ConfigError(
+                    f"training.dataset {name}: cannot open {spec.path} on the Hugging Face hub ({e}); "
+                    "use training.dataset_path for local data"
+                ) from None
+        path = spec.path
+    builder, files = _local_files(path)
+    # kiln names the file and line of a malformed record itself; the json builder's own ERROR log line about
+    # the same failure would be a second, less precise line on stderr.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    try:
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+    except StopIteration:  # what `datasets` raises when it infers the columns from empty files
+        raise DataError(f"training.dataset_path {path}: no records in {', '.join(files)}") from None
+    if ds.n_shards != len(files):  # one shard per file is what names files in errors
+        raise AssertionError(f"expected one shard per file, got {ds.n_shards} shards for {len(files)} files")
+    return ds, files
+
+
+def check_data_source(cfg: Training) -> None:
+    """The dataset name is registered, and a local dataset's files exist, share one format and start with a
+    good record (ConfigError / DataError naming the key, file and line). A hub dataset is only named here."""
+    if cfg.dataset_path is not None:
+        _local_files(cfg.dataset_path)
+    elif not (spec := _registered(cfg.dataset)).hub:
+        _local_files(spec.path)
