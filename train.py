@@ -56,6 +56,9 @@ def check_config(argv: list[str], world_size: int | None = None) -> int:
     from trainer.config import parse_args, validate_world
     from trainer.errors import UserError
 
+    log = logging.getLogger("kiln")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the ranks parse the config again and log its notes and warnings once themselves
     try:
         cfg = parse_args(argv)
         if not cfg.job.dry_run:  # the dry run simulates its own world and plans for files that may be elsewhere
@@ -66,6 +69,8 @@ def check_config(argv: list[str], world_size: int | None = None) -> int:
     except UserError as e:
         say(f"kiln: error: {e}")
         return 2
+    finally:
+        log.setLevel(level)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +197,73 @@ def test_validate_world_checks_degrees_and_batch(argv: list[str], world: int, me
         validate_world(parse_args(argv), world)
     assert message in str(e.value)
     validate_world(parse_args(["--training.global_batch_size", "8", "--training.local_batch_size", "2"]), 4)  # fits
+
+
+# ----------------------------------------------------------------------------- renamed keys
+
+SQNR_OLD, SQNR_NEW = "float8.sqnr_log_freq", "float8.numerics_log_freq"
+
+
+def test_deprecated_sqnr_log_freq_reads_as_numerics_log_freq(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """kiln's key before the numerics observatory: read as the new key, from a file or the command line, with
+    one warning line naming both; the same value under both names is accepted."""
+    old_file = tmp_path / "old.toml"
+    old_file.write_text("[float8]\nenable_float8_linear = true\nsqnr_log_freq = 5\n")
+    runs = {
+        "toml": ["--job.config_file", str(old_file)],
+        "cli": ["--float8.enable_float8_linear", "--float8.sqnr_log_freq", "5"],
+        "both, equal": ["--float8.enable_float8_linear", "--float8.sqnr_log_freq=5", "--float8.numerics_log_freq=5"],
+    }
+    for how, argv in runs.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kiln"):
+            cfg = parse_args(argv)
+        assert cfg.float8.numerics_log_freq == 5, how
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warnings == [f"{SQNR_OLD} is deprecated, read as {SQNR_NEW} = 5: rename it to {SQNR_NEW}"], how
+    # the command line overrides the file whichever name either uses
+    assert (
+        parse_args(["--job.config_file", str(old_file), "--float8.numerics_log_freq", "0"]).float8.numerics_log_freq
+        == 0
+    )
+
+
+def test_deprecated_and_new_name_disagreeing_is_a_config_error(tmp_path: Path) -> None:
+    both = tmp_path / "both.toml"
+    both.write_text("[float8]\nenable_float8_linear = true\nsqnr_log_freq = 5\nnumerics_log_freq = 10\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--job.config_file", str(both)])
+    assert str(e.value) == (
+        f"{both}: {SQNR_OLD} = 5 and {both}: {SQNR_NEW} = 10 disagree: {SQNR_OLD} is the deprecated name of "
+        f"{SQNR_NEW}; give {SQNR_NEW} only"
+    )
+    with pytest.raises(ConfigError, match=r"--float8.sqnr_log_freq = 2 and --float8.numerics_log_freq = 3 disagree"):
+        parse_args(["--float8.enable_float8_linear", "--float8.sqnr_log_freq", "2", "--float8.numerics_log_freq", "3"])
+    with pytest.raises(ConfigError, match=r"--float8.sqnr_log_freq: needs a value"):
+        parse_args(["--float8.sqnr_log_freq"])
+
+
+@pytest.mark.parametrize("ngpu", ["1", "2"])
+def test_run_train_sh_refuses_disagreeing_renamed_keys_with_one_line(ngpu: str) -> None:
+    proc = subprocess.run(
+        ["bash", "run_train.sh", "--float8.enable_float8_linear", "--float8.sqnr_log_freq", "2"]
+        + ["--float8.numerics_log_freq", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_TIMEOUT_S,
+        env={**os.environ, "NGPU": ngpu},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kiln: error: --float8.sqnr_log_freq = 2 and --float8.numerics_log_freq = 3 disagree: float8.sqnr_log_freq "
+        "is the deprecated name of float8.numerics_log_freq; give float8.numerics_log_freq only"
+    ]
+
+
+def test_launcher_config_check_leaves_the_rename_warning_to_the_ranks() -> None:
+    """run_train.sh checks the config before torchrun and each rank parses it again: only the rank's log says it."""
+    code = "import sys, train; sys.exit(train.check_config(sys.argv[1:]))"
+    argv = ["--float8.enable_float8_linear", "--float8.sqnr_log_freq", "5"]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")

@@ -83,3 +83,43 @@ def test_dry_run_plans_the_model_the_trainer_builds(
     trainer = make_trainer(base)
     assert (planned, layers) == (trainer.n_params, len(trainer.model.layers))
     assert layers == (2 if overrides else LLAMA3_FLAVORS["debugmodel"].n_layers)
+
+
+WIDTH_OVERRIDES = ["--model.flavor", "8B", "--model.n_layers", "1", "--model.dim", "1024", "--model.n_heads", "8"]
+WIDTH_OVERRIDES += ["--model.n_kv_heads", "2", "--model.multiple_of", "256"]
+
+
+def test_model_width_overrides_build_the_narrowed_8b_shape() -> None:
+    """model.dim / n_heads / n_kv_heads / multiple_of (and ffn_dim_multiplier) replace the flavor's: the 8B shape
+    at a quarter of its width keeps head_dim 128, GQA 4:1 and the 3.5x FFN (1.3 x 8/3, rounded to 256)."""
+    from models.args import ffn_hidden_dim
+    from trainer.build import model_args
+
+    cfg = parse_args(WIDTH_OVERRIDES)
+    args = model_args(cfg.model, seq_len=64, tokenizer_words=2256)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, ffn_hidden_dim(args)) == (1024, 8, 2, 1, 3584)
+    assert args.ffn_dim_multiplier == 1.3 and args.rope_theta == LLAMA3_FLAVORS["8B"].rope_theta
+    plan = dry_run(parse_args([*WIDTH_OVERRIDES, "--job.dry_run"]))
+    attention, ffn, embed_and_output, norms = 2 * 1024 * 1024 + 2 * 1024 * 256, 3 * 1024 * 3584, 2 * 2256 * 1024, 3
+    assert f"parameters: {attention + ffn + embed_and_output + norms * 1024:,}" in plan
+    wider = parse_args([*WIDTH_OVERRIDES, "--model.ffn_dim_multiplier", "2.0"])
+    assert ffn_hidden_dim(model_args(wider.model, seq_len=64, tokenizer_words=2256)) == 5632  # 2 x 2730 -> 256s
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--model.n_heads", "12"],
+            "model.n_heads 12, model.n_kv_heads 2 (flavor 8B + overrides): n_heads must divide",
+        ),
+        (["--model.n_heads", "1024"], "heads of even size (RoPE rotates pairs)"),
+        (["--model.n_kv_heads", "3"], "n_kv_heads must divide n_heads"),
+    ],
+)
+def test_model_width_overrides_that_do_not_split_into_heads_exit_2(
+    extra: list[str], message: str, capfd: pytest.CaptureFixture
+) -> None:
+    assert train.main([*WIDTH_OVERRIDES, *extra, "--job.dry_run"]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error: model.dim 1024, ") and message in lines[0], lines

@@ -41,22 +41,26 @@ def base_args(m: Model, stored: ModelArgs | None) -> ModelArgs:
     return LLAMA3_FLAVORS[m.flavor]
 
 
+SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
+
+
 def model_args(
     m: Model, seq_len: int, tokenizer_words: int, stored: ModelArgs | None = None, source: str = ""
 ) -> ModelArgs:
-    """The flavor's shape with the vocabulary from the tokenizer (or model.vocab_size) and model.n_layers.
+    """The flavor's shape with the vocabulary from the tokenizer (or model.vocab_size) and the model.* overrides
+    (n_layers, dim, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of).
 
     `stored`: the shape stored with checkpoint.initial_load_path (`source`). With model.flavor from_checkpoint it
-    is the shape (model.vocab_size / model.n_layers may only repeat it); with a named flavor, every field that
+    is the shape (the overrides may only repeat it); with a named flavor, every field that
     changes what the weights compute must equal it, or the first that differs is named."""
     if m.vocab_size is not None and m.vocab_size < tokenizer_words:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's {tokenizer_words} tokens")
     if m.flavor == FROM_CHECKPOINT:
         assert stored is not None, "config validation requires checkpoint.initial_load_path with from_checkpoint"
-        for key, ours, theirs in (
-            ("vocab_size", m.vocab_size, stored.vocab_size),
-            ("n_layers", m.n_layers, stored.n_layers),
-        ):
+        for key in SHAPE_OVERRIDES:
+            ours, theirs = getattr(m, key), getattr(stored, key)
+            if key == "n_kv_heads" and theirs is None:
+                theirs = stored.n_heads
             if ours is not None and ours != theirs:
                 raise ConfigError(f"model.{key} {ours} differs from {source}'s {theirs} (model.flavor from_checkpoint)")
         if stored.vocab_size < tokenizer_words:
@@ -66,12 +70,9 @@ def model_args(
             )
         return dataclasses.replace(stored, max_seq_len=seq_len)
     flavor = LLAMA3_FLAVORS[m.flavor]
-    args = dataclasses.replace(
-        flavor,
-        vocab_size=m.vocab_size or tokenizer_words,
-        n_layers=m.n_layers or flavor.n_layers,
-        max_seq_len=seq_len,
-    )
+    overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
+    args = dataclasses.replace(flavor, **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len})
+    check_heads(args, m.flavor)
     if stored is not None:
         diff = first_difference(stored, args)
         if diff is not None:
@@ -81,6 +82,17 @@ def model_args(
                 f"{there!r} there but {here!r} here; set model.flavor from_checkpoint to train the stored shape"
             )
     return args
+
+
+def check_heads(args: ModelArgs, flavor: str) -> None:
+    """model.dim / n_heads / n_kv_heads (the flavor's where not overridden) must split into whole heads of even
+    size (RoPE rotates pairs) and whole query groups."""
+    kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+    shape = f"model.dim {args.dim}, model.n_heads {args.n_heads}, model.n_kv_heads {kv} (flavor {flavor} + overrides)"
+    if args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
+        raise ConfigError(f"{shape}: n_heads must divide dim into heads of even size (RoPE rotates pairs)")
+    if args.n_heads % kv:
+        raise ConfigError(f"{shape}: n_kv_heads must divide n_heads (each key/value head serves a whole group)")
 
 
 def build_model(

@@ -151,6 +151,17 @@ class Model:
     vocab_size: int | None = _f(
         None, "Pad the vocabulary to this size (>= the tokenizer's); unset = the tokenizer's size.", valid=AT_LEAST_1
     )
+    dim: int | None = _f(None, "Override the flavor's model width (benchmarks, numerics studies).", valid=AT_LEAST_1)
+    n_heads: int | None = _f(None, "Override the flavor's attention heads (must divide model.dim).", valid=AT_LEAST_1)
+    n_kv_heads: int | None = _f(
+        None, "Override the flavor's key/value heads (grouped-query attention; must divide n_heads).", valid=AT_LEAST_1
+    )
+    ffn_dim_multiplier: float | None = _f(
+        None, "Override the flavor's FFN multiplier: hidden = multiplier x 8/3 dim, rounded up.", valid=POSITIVE
+    )
+    multiple_of: int | None = _f(
+        None, "Override the flavor's FFN rounding: the hidden size is a multiple of this.", valid=AT_LEAST_1
+    )
 
 
 @dataclass

@@ -668,6 +668,15 @@ ROWS_LIST: tuple[Key, ...] = (
 ROWS: dict[str, Key] = {row.name: row for row in ROWS_LIST}
 assert len(ROWS) == len(ROWS_LIST), "a torchtitan key appears twice in ROWS_LIST"
 
+# kiln's own keys that were renamed: the old name is read as the new one, with a warning naming both. The same
+# rename rows as torchtitan's, kept apart from ROWS (which lists torchtitan's keys and nothing else).
+RENAMED: dict[str, tuple[str, Any]] = {  # old name -> (new name, type)
+    # the numerics observatory (float8/numerics.py) replaced the SQNR monitor and its key; it logs the same
+    # output SQNR (output_sqnr_db) plus the per-operand statistics, at the same frequency
+    "float8.sqnr_log_freq": ("float8.numerics_log_freq", int),
+}
+DEPRECATED: dict[str, Key] = {old: rename(old, (), tp, new) for old, (new, tp) in RENAMED.items()}
+
 
 # ----------------------------------------------------------------------------- resolution
 
@@ -744,19 +753,41 @@ def resolve(
     kiln = [f"{s.name}.{f.name}" for s in fields(cfg) for f in fields(getattr(cfg, s.name))]
     kiln_set = set(kiln)
     notes: dict[str, str] = {}
+    warnings: dict[str, str] = {}
+    spelled: dict[str, tuple[Any, str]] = {}  # within one source: old or new name -> (value, where), last wins
 
     def apply(name: str, raw: Any, where: str) -> dict[str, Any]:
-        row = ROWS.get(name)
+        row = ROWS.get(name) or DEPRECATED.get(name)
         if row is None or isinstance(row.action, Honour):
             if name not in kiln_set:
                 raise _unknown(name, where, kiln)
+            for new, tp in RENAMED.values():
+                if name == new:
+                    spelled[name] = (convert(raw, tp, where), where)
             return {name: raw}
         assigned, note = _translate(row, raw, where, convert)
+        if name in DEPRECATED:
+            ((new, value),) = assigned.items()
+            spelled[name] = (value, where)
+            warnings[name] = f"{name} is deprecated, read as {new} = {show(value)}: rename it to {new}"
+            return assigned
         if note:
             notes[name] = note
         else:
             notes.pop(name, None)
         return assigned
+
+    def check_both_spellings() -> None:
+        """An old name and its new name given in the same source (the file, or the command line) must agree;
+        across sources the command line wins, as for every key."""
+        for old, (new, _) in RENAMED.items():
+            if old in spelled and new in spelled and spelled[old][0] != spelled[new][0]:
+                (a, where_a), (b, where_b) = spelled[old], spelled[new]
+                raise ConfigError(
+                    f"{where_a} = {show(a)} and {where_b} = {show(b)} disagree: {old} is the deprecated name of "
+                    f"{new}; give {new} only"
+                )
+        spelled.clear()
 
     out_toml: dict[str, Any] = {}
     for section, values in toml.items():
@@ -767,6 +798,7 @@ def resolve(
             for target, value in apply(name, raw, f"{source}: {name}").items():
                 s, _, k = target.partition(".")
                 out_toml.setdefault(s, {})[k] = value
+    check_both_spellings()
 
     out_cli: list[tuple[str, str, Any]] = []
     for section, key, raw in cli:
@@ -777,16 +809,19 @@ def resolve(
             if name in kiln_set or plain in kiln_set:
                 out_cli.append((section, key, None))  # trainer.config resolves kiln's own bare flags
                 continue
-            row = ROWS.get(name) or ROWS.get(plain or "")
+            row = ROWS.get(name) or ROWS.get(plain or "") or DEPRECATED.get(name) or DEPRECATED.get(plain or "")
             if row is None:
                 raise _unknown(plain or name, f"--{plain or name}", kiln)
             if row.type is not bool and not (isinstance(row.action, Ignore) and row.action.accept is None):
                 raise ConfigError(f"--{row.name}: needs a value")
             name, where, raw = row.name, f"--{row.name}", row.name == name
         out_cli += [(*target.split(".", 1), value) for target, value in apply(name, raw, where).items()]
+    check_both_spellings()
 
     for note in notes.values():
         logger.info(f"torchtitan key {note}")
+    for warning in warnings.values():
+        logger.warning(warning)
     return out_toml, out_cli
 
 
