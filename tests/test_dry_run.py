@@ -123,3 +123,16 @@ def test_model_width_overrides_that_do_not_split_into_heads_exit_2(
     assert train.main([*WIDTH_OVERRIDES, *extra, "--job.dry_run"]) == 2
     lines = capfd.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kiln: error: model.dim 1024, ") and message in lines[0], lines
+
+
+def test_width_overrides_with_from_checkpoint_may_only_repeat_the_stored_shape() -> None:
+    from trainer.build import model_args
+    from trainer.config import FROM_CHECKPOINT, ConfigError, Model
+
+    stored = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256)  # n_kv_heads None: 16 kv heads
+    same = Model(flavor=FROM_CHECKPOINT, dim=256, n_heads=16, n_kv_heads=16)
+    assert model_args(same, 64, 2256, stored, "ckpt") == dataclasses.replace(stored, max_seq_len=64)
+    with pytest.raises(
+        ConfigError, match=r"^model.n_kv_heads 4 differs from ckpt's 16 \(model.flavor from_checkpoint\)"
+    ):
+        model_args(Model(flavor=FROM_CHECKPOINT, n_kv_heads=4), 64, 2256, stored, "ckpt")
