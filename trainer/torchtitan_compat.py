@@ -20,6 +20,10 @@ applies them. docs/migrating-from-torchtitan.md's key table is generated from RO
 (`python scripts/torchtitan_keys_doc.py`) and tests/test_torchtitan_compat.py keeps the two equal, and ROWS
 equal to the keys of torchtitan's JobConfig (tests/fixtures/torchtitan/job_config_keys.json).
 
+kiln's own renamed keys (RENAMED: `float8.sqnr_log_freq` -> `float8.numerics_log_freq`) go through the same
+rename rows and `resolve`, apart from ROWS: read as the new key with one warning naming both; the two names
+given with different values in one source (the file, or the command line) are a ConfigError.
+
 Standard library only, below trainer.config in the import layers.
 """
 
