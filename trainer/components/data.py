@@ -1,4 +1,5 @@
-"""Text datasets streamed with HF `datasets`, tokenized and packed into seq_len+1 windows in one global order.
+"""Text datasets (trainer/components/data_sources.py: local JSON Lines read directly, the rest streamed with HF
+`datasets`), tokenized and packed into seq_len+1 windows in one global order.
 
 The sample order is global (Megatron's global sample index; torchtitan instead splits the dataset per rank,
 which ties a checkpoint to its data-parallel degree): every rank streams the whole dataset, shard by shard and
@@ -24,7 +25,14 @@ from typing import Any
 
 import torch
 
-from trainer.components.data_sources import DATASETS, first_bad_record, load_text_dataset, record_problem
+from trainer.components.data_sources import (
+    DATASETS,
+    HFStream,
+    JsonLinesFiles,
+    first_bad_record,
+    load_text_dataset,
+    record_problem,
+)
 from trainer.components.tokenizer import Tokenizer
 from trainer.config import Training
 from trainer.errors import CheckpointError, DataError
@@ -43,15 +51,15 @@ class TokenWindows:
 
     def __init__(
         self,
-        hf_dataset: Any,
+        source_records: JsonLinesFiles | HFStream,
         tokenizer: Tokenizer,
         seq_len: int,
         text_key: str = "text",
         source: str = "training dataset",
         shard_files: list[str] | None = None,
     ) -> None:
-        self.data = hf_dataset
-        self.n_shards = hf_dataset.n_shards
+        self.data = source_records
+        self.n_shards = source_records.n_shards
         self.shard_files = shard_files  # local data: the file of each shard, named in errors
         self.tokenizer = tokenizer
         self.window = seq_len + 1
@@ -109,9 +117,8 @@ class TokenWindows:
 
     def _texts(self, shard: int, start: int) -> Iterator[str]:
         """The text of each record of `shard` from record `start` on (the ones before are skipped unread by
-        the tokenizer: `datasets` still parses them)."""
-        ds = self.data if self.n_shards == 1 else self.data.shard(num_shards=self.n_shards, index=shard)
-        it = iter(ds.skip(start) if start else ds)
+        the tokenizer)."""
+        it = self.data.records(shard, start)
         record = start
         while True:
             try:
@@ -279,10 +286,10 @@ def build_dataloader(
     cfg: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, pin_memory: bool = False
 ) -> DataLoader:
     """This DP rank's loader over the global sample order (every rank streams the whole dataset)."""
-    hf, files = load_text_dataset(cfg.dataset, cfg.dataset_path)
+    records, files = load_text_dataset(cfg.dataset, cfg.dataset_path)
     text_key = DATASETS[cfg.dataset].text_key if cfg.dataset in DATASETS else "text"
     source = f"training.dataset_path {cfg.dataset_path}" if cfg.dataset_path else f"training.dataset {cfg.dataset}"
-    windows = TokenWindows(hf, tokenizer, cfg.seq_len, text_key, source, files)
+    windows = TokenWindows(records, tokenizer, cfg.seq_len, text_key, source, files)
     return DataLoader(
         windows, cfg.local_batch_size, dp_rank, dp_degree, prefetch=cfg.data_prefetch, pin_memory=pin_memory
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,16 +134,50 @@ def first_bad_record(path: str, key: str, max_records: int | None = None) -> str
     return None
 
 
-def load_text_dataset(name: str, path: str | None) -> tuple[Any, list[str] | None]:
-    """A streaming HF IterableDataset for a registered name or a local path, and its shards' file names
-    (None for a hub dataset)."""
-    import datasets  # lazy: heavy import
+class JsonLinesFiles:
+    """Local .jsonl files, one shard per file, read line by line with the standard library. The bundled corpus
+    and most local data need no `datasets`, whose import alone costs every rank ~2 s (pandas and pyarrow)."""
 
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+        self.n_shards = len(files)
+
+    def records(self, shard: int, start: int) -> Iterator[Any]:
+        """The parsed records of `shard` from record `start` on (blank lines are not records, as for `datasets`;
+        those before `start` are counted, not parsed). A line that is not UTF-8 JSON raises ValueError."""
+        seen = 0
+        with open(self.files[shard], "rb") as fh:
+            for raw in fh:
+                if not raw.decode("utf-8").strip():
+                    continue
+                if seen >= start:
+                    yield json.loads(raw)
+                seen += 1
+
+
+class HFStream:
+    """A streaming HF IterableDataset (a hub dataset, or local .json/.parquet/.txt files), one shard per file."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+        self.n_shards: int = ds.n_shards
+
+    def records(self, shard: int, start: int) -> Iterator[Any]:
+        ds = self.ds if self.n_shards == 1 else self.ds.shard(num_shards=self.n_shards, index=shard)
+        return iter(ds.skip(start) if start else ds)
+
+
+def load_text_dataset(name: str, path: str | None) -> tuple[JsonLinesFiles | HFStream, list[str] | None]:
+    """The records of a registered name or a local path, and its shards' file names (None for a hub dataset)."""
     if path is None:
         spec = _registered(name)
         if spec.hub:
+            import datasets  # lazy: heavy import
+
             try:
-                return datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True), None
+                return HFStream(
+                    datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True)
+                ), None
             except Exception as e:  # offline, gated, renamed: whatever the hub says, it is not a kiln bug
                 raise ConfigError(
                     f"training.dataset {name}: cannot open {spec.path} on the Hugging Face hub ({e}); "
@@ -150,6 +185,10 @@ def load_text_dataset(name: str, path: str | None) -> tuple[Any, list[str] | Non
                 ) from None
         path = spec.path
     builder, files = _local_files(path)
+    if all(f.endswith(".jsonl") for f in files):
+        return JsonLinesFiles(files), files
+    import datasets  # lazy: heavy import
+
     # kiln names the file and line of a malformed record itself; the json builder's own ERROR log line about
     # the same failure would be a second, less precise line on stderr.
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
@@ -159,7 +198,7 @@ def load_text_dataset(name: str, path: str | None) -> tuple[Any, list[str] | Non
         raise DataError(f"training.dataset_path {path}: no records in {', '.join(files)}") from None
     if ds.n_shards != len(files):  # one shard per file is what names files in errors
         raise AssertionError(f"expected one shard per file, got {ds.n_shards} shards for {len(files)} files")
-    return ds, files
+    return HFStream(ds), files
 
 
 def check_data_source(cfg: Training) -> None:
