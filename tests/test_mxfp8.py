@@ -164,7 +164,6 @@ P, BATCH = "--parallelism.", "--training.local_batch_size"
 LAYOUT = {  # name -> (world size, arguments); the same global batches in each (global batch 4)
     "1rank": (1, (BATCH, "4")),
     "fsdp2": (2, (f"{P}data_parallel_shard_degree", "2", BATCH, "2")),
-    "tp2": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}tensor_parallel_degree", "2", BATCH, "4")),
     "fsdp2xtp2": (4, (f"{P}data_parallel_shard_degree", "2", f"{P}tensor_parallel_degree", "2", BATCH, "2")),
 }
 SAC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
@@ -172,7 +171,6 @@ RUNS = {  # name -> (layout, extra arguments); each is compared with its layout'
     "1rank": ("1rank", (*MX, "mxfp8_rceil")),
     "fsdp2-sac_op": ("fsdp2", (*MX, "mxfp8_rceil", *SAC_OP)),
     "fsdp2-wgrad_hp": ("fsdp2", (*MX, "mxfp8_rceil_wgrad_with_hp")),
-    "tp2": ("tp2", (*MX, "mxfp8_rceil")),
     "fsdp2xtp2-wgrad_hp": ("fsdp2xtp2", (*MX, "mxfp8_rceil_wgrad_with_hp")),
 }
 
