@@ -278,4 +278,6 @@ def failure_report(e: Any, error_file: str, max_restarts: int, stream: TextIO) -
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from train import exit_now
+
+    exit_now(main(sys.argv[1:]))

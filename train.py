@@ -7,7 +7,7 @@ import os
 import re
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -83,6 +83,20 @@ def check_inputs(cfg: JobConfig) -> None:
 
     load_tokenizer(cfg.model.tokenizer_path)
     check_data_source(cfg.training)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process with `status` once kiln is done: flush the logs and streams, then skip the interpreter's
+    teardown of torch's modules (0.5-1 s per process; ~2.5 s of a 4-rank run on 2 CPU cores). Whatever kiln
+    writes is finished by then: Trainer.close waited for checkpoint saves, closed TensorBoard and the process
+    group. Only for a normal return: an uncaught exception still exits through the interpreter (traceback)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(status)
 
 
 def _log_paths(cfg: JobConfig) -> None:
@@ -183,4 +197,4 @@ def _lost_peers(trainer: Trainer, e: Exception) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -287,6 +287,15 @@ def test_command_line_config_file_wins_over_config_file_env(tmp_path: Path) -> N
     assert_one_line_error(proc, f"{tmp_path / 'b.toml'}: training.stpes")
 
 
+def test_exit_now_keeps_the_status_and_what_was_written() -> None:
+    """train.py and launch.py end through train.exit_now (no interpreter teardown): the exit status and output
+    still buffered (stdout to a pipe is block-buffered) arrive."""
+    code = "import sys, train; print('printed'); sys.stderr.write('written'); train.exit_now(3)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "printed\n", "written")
+
+
 def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
