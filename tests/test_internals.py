@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
@@ -377,6 +379,22 @@ def test_partitioned_graphs_backend() -> None:
     fw_names = {n.name for n in graphs[0][1].graph.nodes}
     saved = [n.name for n in graphs[1][1].graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     assert saved and set(saved) <= fw_names
+
+
+def test_cpu_float8_conversion_skips_torchaos_triton_patch() -> None:
+    """On a CPU, Float8Linear conversion leaves inductor's Triton codegen unimported (0.7 s per rank); torchao's
+    flag is where the function expects it. A fresh process: another test may have imported inductor already."""
+    code = (
+        "import sys, torch.nn as nn\n"
+        "from float8.converter import Float8Converter\n"
+        "from trainer.config import Float8\n"
+        "model = nn.Sequential(nn.Linear(64, 64))\n"
+        "Float8Converter(Float8(enable_float8_linear=True)).convert(model)\n"
+        "from torchao.float8 import _inductor_patch\n"
+        "print(type(model[0]).__name__, _inductor_patch._PATCHED, 'torch._inductor.codegen.triton' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-3:] == ["Float8Linear", "True", "False"]
 
 
 def test_mxfp8_internals() -> None:
