@@ -49,10 +49,10 @@ def report_user_error(e: Exception) -> int:
     return 2
 
 
-def check_config(argv: list[str], world_size: int | None = None) -> int:
+def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | None:
     """Validate the config and the files it names first (no torch, instant): run_train.sh calls it before
     torchrun, so a mistake is one line before any rank starts. With the world size (the launcher knows NGPU) the
-    parallel degrees and the global batch are checked too."""
+    parallel degrees and the global batch are checked too. Returns the config, or None after printing the mistake."""
     from trainer.config import parse_args, validate_world
     from trainer.errors import UserError
 
@@ -68,10 +68,10 @@ def check_config(argv: list[str], world_size: int | None = None) -> int:
                 check_inputs(cfg)
     except UserError as e:
         say(f"kiln: error: {e}")
-        return 2
+        return None
     finally:
         log.setLevel(level)
-    return 0
+    return cfg
 
 
 def check_inputs(cfg: JobConfig) -> None:

@@ -192,9 +192,9 @@ def test_launcher_precheck_catches_exactly_the_pre_mistakes(
     import train
 
     paths = dict(bad_files, ckpt2=str(bad_files["dir"]))  # no rank runs here: any folder stands in for ckpt2
-    status = train.check_config([*tiny_run_args(), *(a.format(**paths) for a in args)], world_size=ngpu)
+    cfg = train.check_config([*tiny_run_args(), *(a.format(**paths) for a in args)], world_size=ngpu)
     err = capfd.readouterr().err
-    assert status == (2 if pre else 0), err
+    assert (cfg is None) == pre, err
     assert (needle in err) == pre, err
 
 
