@@ -39,6 +39,8 @@ torchao and the Trainer again, and the ranks of a CPU run share a few cores.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import re
@@ -201,6 +203,11 @@ def main(argv: list[str]) -> int:
 def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     import train
 
+    # OpenMP threads that spin while they wait for each other are ruinous on shared cores: a thread spins while the
+    # one it waits for is descheduled. The debug run on a 2-core machine shared with other jobs took 4.5-7.7 min
+    # with libgomp's default and 1.2-1.5 min with passive waiting (docs/performance.md). Yours to override. Set
+    # before this process imports torch (counting GPUs): OpenMP reads it once, and forked ranks inherit its state.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         nproc = _nproc(os.environ.get("NGPU"))
         log_rank = _log_ranks(os.environ.get("LOG_RANK") or "0", nproc)
@@ -227,10 +234,6 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     if nproc > 1:
         # torchrun's own default with several ranks per node, set here to spare its 4-line banner on every launch.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # OpenMP threads that spin while they wait for each other are ruinous on shared cores: a thread spins while the
-    # one it waits for is descheduled. The debug run on a 2-core machine shared with other jobs took 4.5-7.7 min
-    # with libgomp's default and 1.2-1.5 min with passive waiting (docs/performance.md). Yours to override.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if nodes.node_rank is not None:
         os.environ["KILN_NODE_RANK"] = str(nodes.node_rank)  # the survivors of a lost node name it by this
     if nodes.nnodes > 1:
@@ -251,28 +254,24 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         *args,
     ]
     torchrun = parse_args(torchrun_args)
+    launch = functools.partial(run, torchrun)
     if torch.cuda.device_count() == 0:
         # No GPU: torchrun forks the ranks from this process once it has imported the Trainer (and torchao for a
-        # float8 run), instead of starting fresh interpreters that each import them (~5 s of CPU per rank; the
-        # 4-rank FSDP x TP float8 run on 2 cores: 30.6 s -> 21.3 s). With GPUs, fresh interpreters as `torchrun`
-        # starts them: forking after CUDA was touched here (the GPU count) would break CUDA in the ranks.
+        # float8 run) instead of starting interpreters that each import them again (docs/performance.md). With
+        # GPUs the ranks stay fresh interpreters, as `torchrun train.py` starts them: CUDA does not survive a fork
+        # of a process that initialised it, and counting the GPUs here may have.
         import trainer.train  # noqa: F401
 
         if cfg.float8.enable_float8_linear:
-            import torchao.float8  # noqa: F401
+            with contextlib.suppress(ImportError):  # without torchao, the ranks say what float8 needs
+                import torchao.float8  # noqa: F401
 
         config, _, _ = config_from_args(torchrun)  # what `run` does, with train.py's main as a function
         config.start_method = "fork"
+        launch = functools.partial(elastic_launch(config, forked_rank), args)
         # torchrun logs a failed forked rank with the traceback of its own ProcessExitedException (a failed rank
         # started as a program gets that line alone); the rank has said what went wrong.
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_exit_traceback)
-
-        def launch() -> None:
-            elastic_launch(config, forked_rank)(args)
-    else:
-
-        def launch() -> None:
-            run(torchrun)
 
     try:
         record(launch)()  # record: torchrun's own failure summary, as `torchrun` has it
