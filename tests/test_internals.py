@@ -327,8 +327,6 @@ def _private_uses(path: Path, name: str) -> Iterator[str]:
             yield f"{name}:{node.lineno}: {ast.unparse(node)}"
 
 
-
-
 def test_private_internals_only_in_trainer_internals() -> None:
     found = []
     for path in sorted(ROOT.glob("**/*.py")):

@@ -306,22 +306,20 @@ def cpu_scaled_mm_supports_rowwise() -> bool:
     return True
 
 
-def skip_torchao_triton_min_max_patch() -> bool:
+def skip_torchao_triton_min_max_patch() -> None:
     """Mark torchao's Triton min/max codegen patch as applied, without importing inductor's Triton codegen.
 
     convert_to_float8_training patches inductor's Triton min/max codegen (a Triton fp8 store miscompile,
     triton-lang/triton#11111) and imports torch._inductor.codegen.triton to do it: 0.7 s per process. Only
-    GPU kernels are Triton (inductor emits C++ on a CPU), so a CPU run loses nothing by skipping it. Returns
-    whether the flag exists. Checked on torchao 0.18.0 (`torchao.float8._inductor_patch._PATCHED`).
+    GPU kernels are Triton (inductor emits C++ on a CPU), so a CPU run loses nothing by skipping it. A torchao
+    without the patch: nothing to skip. Checked on torchao 0.18.0 (`torchao.float8._inductor_patch._PATCHED`).
     """
     try:
         from torchao.float8 import _inductor_patch
-    except ImportError:  # a torchao without the patch: nothing to skip
-        return False
-    if not hasattr(_inductor_patch, "_PATCHED"):
-        return False
-    _inductor_patch._PATCHED = True
-    return True
+    except ImportError:
+        return
+    if hasattr(_inductor_patch, "_PATCHED"):
+        _inductor_patch._PATCHED = True
 
 
 # ----------------------------------------------------------------------------- torchao float8 tensors
