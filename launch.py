@@ -22,7 +22,7 @@ Every user mistake ends with exit status 2 and one line `kiln: error: ...` on st
 - what the config and NGPU decide, and the files read first (tokenizer, dataset name, a local dataset's first
   record), are checked here before any rank starts (train.check_config: no torch, instant);
 - what only a rank can find (a checkpoint of another model, a dataset too small for one sequence) the rank
-  appends as one line to KILN_ERROR_FILE before it exits 2 (train.report_user_error); torchrun then fails, and
+  appends as one line to KILN_ERROR_FILE before it exits 2 (kiln_base.errors.report); torchrun then fails, and
   this launcher prints that line in place of torchrun's report (a log line per failed rank and a ChildFailedError
   traceback). Any other failure keeps torchrun's output and exit status.
 
@@ -53,7 +53,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-PEER_LOST_EXIT_CODE = 75  # trainer/components/dist.py: a rank saw others vanish (imported there with torch)
+from kiln_base.errors import DONE, ERROR_FILE_ENV, PEER_LOST, USER_ERROR, ConfigError, say
+
 KILN_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(KILN_DIR, "train_configs", "debug_model.toml")
 
@@ -214,13 +215,13 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         nodes = node_layout(os.environ)
         max_restarts = _count(os.environ, "MAX_RESTARTS", 0, 0, "torchrun's restarts of a failed job")
     except ValueError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
-        return 2
+        say(ConfigError(str(e)).line())
+        return USER_ERROR
     # CONFIG_FILE first: parse_args takes the last --job.config_file, so one in argv wins.
     args = ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG, *argv]
     cfg = train.check_config(args, world_size=nodes.nnodes * nproc)  # every node checks the whole world
     if cfg is None:
-        return 2
+        return USER_ERROR
     if nodes.nnodes > 1:
         where = "" if nodes.node_rank is None else f"node {nodes.node_rank} of "
         print(
@@ -230,7 +231,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         )
 
     os.environ["LOG_RANK"] = log_rank  # the Trainer logs metrics on these ranks
-    os.environ["KILN_ERROR_FILE"] = error_file
+    os.environ[ERROR_FILE_ENV] = error_file
     if nproc > 1:
         # torchrun's own default with several ranks per node, set here to spare its 4-line banner on every launch.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -260,7 +261,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         # float8 run) instead of starting interpreters that each import them again (docs/performance.md). With
         # GPUs the ranks stay fresh interpreters, as `torchrun train.py` starts them: CUDA does not survive a fork
         # of a process that initialised it, and counting the GPUs here may have.
-        import trainer.train  # noqa: F401
+        import trainer.trainer  # noqa: F401
 
         if cfg.float8.enable_float8_linear:
             with contextlib.suppress(ImportError):  # without torchao, the ranks say what float8 needs
@@ -284,7 +285,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         # SIGTERM or Ctrl-C: torchrun has passed it on to the ranks and waited for them, and each rank said what it
         # saved; torchrun's traceback of its own signal would add nothing. The shell's status for that signal.
         return 128 + int(e.sigval)
-    return 0
+    return DONE
 
 
 def _without_exit_traceback(record: logging.LogRecord) -> bool:
@@ -309,27 +310,27 @@ def forked_rank(argv: list[str]) -> int:
     status = train.main(argv)
     if status:
         sys.exit(status)
-    return 0
+    return DONE
 
 
 def failure_report(e: Any, error_file: str, max_restarts: int, stream: TextIO) -> int | None:
     """For torchrun's ChildFailedError `e`: print one line and return the exit status, or None to keep torchrun's
     report. A user mistake (a rank wrote its line to `error_file`): that line, 2. Ranks that found others gone
-    (exit PEER_LOST_EXIT_CODE, their line printed live above) after the restarts are spent: one line, 75."""
+    (exit PEER_LOST, their line printed live above) after the restarts are spent: one line, 75."""
     with open(error_file) as f:
         first = f.readline().strip()
     if first:
         print(first, file=stream)
-        return 2
+        return USER_ERROR
     _, root = e.get_first_failure()  # the first failure in time: the rank that saw the loss, not those torchrun stopped
-    if root.exitcode != PEER_LOST_EXIT_CODE:
+    if root.exitcode != PEER_LOST:
         return None
     print(
         f"kiln: error: the job lost ranks (the line above names them) and its restarts are spent "
         f"(MAX_RESTARTS={max_restarts}); run it again to resume from the newest complete checkpoint",
         file=stream,
     )
-    return PEER_LOST_EXIT_CODE
+    return PEER_LOST
 
 
 if __name__ == "__main__":

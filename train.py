@@ -10,19 +10,8 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.train import Trainer
-
-
-def say(line: str) -> None:
-    """One line on stderr in a single write, so the lines of ranks sharing the stream never interleave."""
-    sys.stderr.flush()
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (captured in tests)
-        print(line, file=sys.stderr)
-        return
-    os.write(fd, (line + "\n").encode())
+    from kiln_base.config import JobConfig
+    from trainer.trainer import Trainer
 
 
 def _setup_logging() -> None:
@@ -32,29 +21,12 @@ def _setup_logging() -> None:
     )
 
 
-def report_user_error(e: Exception) -> int:
-    """Print a user mistake as one line and return exit status 2.
-
-    Under run_train.sh (KILN_ERROR_FILE set) a worker appends the line to that file instead, in one write, and
-    the launcher prints it once for all ranks: printed here, it would reach the user inside torchrun's
-    multi-line failure report.
-    """
-    line = "kiln: error: " + " ".join(str(e).splitlines())
-    path = os.environ.get("KILN_ERROR_FILE")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    else:
-        say(line)
-    return 2
-
-
 def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | None:
     """Validate the config and the files it names first (no torch, instant): run_train.sh calls it before
     torchrun, so a mistake is one line before any rank starts. With the world size (the launcher knows NGPU) the
     parallel degrees and the global batch are checked too. Returns the config, or None after printing the mistake."""
-    from trainer.config import parse_args, validate_world
-    from trainer.errors import UserError
+    from kiln_base.config import check_world, parse_args
+    from kiln_base.errors import UserError, say
 
     log = logging.getLogger("kiln")
     level = log.level
@@ -63,11 +35,11 @@ def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | 
         cfg = parse_args(argv)
         if not cfg.job.dry_run:  # the dry run simulates its own world and plans for files that may be elsewhere
             if world_size is not None:
-                validate_world(cfg, world_size)
+                check_world(cfg, world_size)
             if not cfg.job.print_config:
                 check_inputs(cfg)
     except UserError as e:
-        say(f"kiln: error: {e}")
+        say(e.line())
         return None
     finally:
         log.setLevel(level)
@@ -118,8 +90,10 @@ def _log_paths(cfg: JobConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run kiln. Exit status: 0 done, 1 non-finite loss, 2 a user mistake (config, checkpoint, data), 143 stopped
-    by SIGTERM after saving a checkpoint (trainer/components/preemption.py), 130 interrupted by Ctrl-C (SIGINT)."""
+    """Run kiln; the exit status as kiln_base/errors.py says (0 done, 1 non-finite, 2 a user mistake, 75 lost
+    ranks, 130 Ctrl-C, 143 stopped by SIGTERM after saving)."""
+    from kiln_base.errors import INTERRUPTED, say
+
     started: list = []  # the Trainer once built, so that a Ctrl-C can name the step it interrupted
     try:
         return _run(argv, started)
@@ -127,54 +101,44 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         where = f" at step {started[0].step}" if started else ""
         say(f"kiln: interrupted by SIGINT (Ctrl-C){where}; nothing saved since the last checkpoint")
-        return 130
+        return INTERRUPTED
 
 
 def _run(argv: list[str] | None, started: list) -> int:
-    from trainer.config import parse_args, to_toml
-    from trainer.errors import UserError
+    from kiln_base.config import parse_args, to_toml
+    from kiln_base.errors import DONE, KilnExit, PeersLost, UserError, report
 
     _setup_logging()
     try:
         cfg = parse_args(argv)
         if cfg.job.print_config:
             print(to_toml(cfg))
-            return 0
+            return DONE
         if cfg.job.dry_run:
             from trainer.tools.dry_run import dry_run
 
             print(dry_run(cfg))
-            return 0
+            return DONE
         check_inputs(cfg)
-        from trainer.components.dist import PEER_LOST_EXIT_CODE
-        from trainer.components.preemption import TrainingStopped
-        from trainer.tools.guards import NonFiniteError
-        from trainer.train import Trainer  # heavy imports only once the config is known to be good
+        from trainer.trainer import Trainer  # heavy imports only once the config is known to be good
 
         _log_paths(cfg)
         trainer = Trainer(cfg)
     except UserError as e:
-        return report_user_error(e)
+        return report(e)
     started.append(trainer)
     try:
         trainer.train()
-    except UserError as e:  # met mid-run: a malformed record, a float8 flag that did nothing at step 1, a refused save
-        return report_user_error(e)
-    except NonFiniteError as e:
-        say(f"kiln: error: {e}")
-        return 1
-    except TrainingStopped as e:
-        say(f"kiln: {e}")
-        return e.exit_code
+    except KilnExit as e:  # a user mistake met mid-run, a non-finite loss, a SIGTERM stop
+        return report(e)
     except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
         line = _lost_peers(trainer, e)
         if line is None:  # no rank is gone: not a lost peer, the traceback is the report
             raise
-        say(f"kiln: error: {line}")
-        return PEER_LOST_EXIT_CODE
+        return report(PeersLost(line))
     finally:
         trainer.close()
-    return 0
+    return DONE
 
 
 def _lost_peers(trainer: Trainer, e: Exception) -> str | None:

@@ -30,9 +30,9 @@ def _proc_kib(field: str) -> int:
 def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
     import torch
 
+    from kiln_base.config import parse_args
     from trainer.components.loss import build_loss_fn
-    from trainer.config import parse_args
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     cfg = parse_args([*argv, "--training.compile=false", "--metrics.enable_tensorboard=false"])
     trainer = Trainer(cfg)

@@ -108,9 +108,9 @@ class BlockTimer(StepHook):
 
 
 def main(argv: list[str]) -> int:
-    from trainer.config import parse_args
-    from trainer.errors import UserError
-    from trainer.train import Trainer
+    from kiln_base.config import parse_args
+    from kiln_base.errors import UserError
+    from trainer.trainer import Trainer
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout
@@ -120,26 +120,20 @@ def main(argv: list[str]) -> int:
         i = argv.index("--bench.warmup")
         warmup = int(argv[i + 1])
         argv = argv[:i] + argv[i + 2 :]
-    timer: list[BlockTimer] = []
-
-    class BenchTrainer(Trainer):
-        def build_hooks(self) -> list[StepHook]:
-            timer.append(BlockTimer(self.model, warmup, self.device.type == "cuda"))
-            return [*super().build_hooks(), timer[0]]
-
     try:
-        trainer = BenchTrainer(parse_args(argv))
+        trainer = Trainer(parse_args(argv))
     except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
+    timer = BlockTimer(trainer.model, warmup, trainer.device.type == "cuda")
     try:
-        trainer.train()
+        trainer.train(extra_hooks=[timer])
     except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     finally:
         trainer.close()
-    print(timer[0].summary(), flush=True)
+    print(timer.summary(), flush=True)
     return 0
 
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trainer.config import parse_args  # noqa: E402
-from trainer.train import Trainer  # noqa: E402
+from kiln_base.config import parse_args  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -33,8 +33,9 @@ import torch
 import torch.nn as nn
 
 from float8.converter import is_float8_linear
-from trainer.config import ConfigError, Float8
-from trainer.internals import (
+from kiln_base.config import Float8
+from kiln_base.errors import ConfigError
+from kiln_base.internals import (
     float8_matmul_is_emulated_and_traced,
     fsdp_param_groups,
     fsdp_param_owner,

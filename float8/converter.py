@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from float8.validation import check_float8_environment
-from trainer.config import MXFP8_BLOCK, Float8
-from trainer.internals import disable_torch_function_subclass, local_tensor_or_self, skip_torchao_triton_min_max_patch
+from float8.environment import check_float8_environment
+from kiln_base.config import MXFP8_BLOCK, Float8
+from kiln_base.internals import disable_torch_function_subclass, local_tensor_or_self, skip_torchao_triton_min_max_patch
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -112,6 +112,30 @@ def switch_to_high_precision(model: nn.Module) -> list[str]:
             module.__class__ = HighPrecisionLinear
             names.append(fqn)
     return names
+
+
+class PrecisionSchedule:
+    """float8.disable_after_step S: from step S + 1 on, every float8 Linear runs in high precision (the end of
+    training), by a switch of the modules' class that keeps parameters, FSDP and TP as they are.
+
+    The switch depends only on the step, so a run resumed past S switches before its first step: the checkpoint
+    needs no extra state. Compiled blocks recompile once at the switch (dynamo guards on module classes)."""
+
+    def __init__(self, model: nn.Module, after_step: int, total_steps: int) -> None:
+        self.model, self.after, self.switched = model, after_step, False
+        if after_step < total_steps:
+            logger.info(
+                f"float8 policy: float8 Linears switch to high precision after step {after_step} of {total_steps}"
+            )
+
+    def before_step(self, step: int) -> None:
+        if not self.switched and step > self.after:
+            self.switched = True
+            names = switch_to_high_precision(self.model)
+            logger.info(
+                f"float8 policy: step {step}: {len(names)} float8 Linears now run in high precision "
+                f"(float8.disable_after_step {self.after})"
+            )
 
 
 class LinearDecision(NamedTuple):

@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from float8.converter import is_float8_linear
-from trainer.config import MXFP8_BLOCK, MXFP8_RECIPES
-from trainer.internals import float8_weight_inner, local_tensor_or_self, mxfp8_weight_data, unwrapped_fqn
+from kiln_base.config import MXFP8_BLOCK, MXFP8_RECIPES
+from kiln_base.internals import float8_weight_inner, local_tensor_or_self, mxfp8_weight_data, unwrapped_fqn
 
 OPERANDS = ("input", "weight", "grad_output")
 STATS = ("amax", "scale", "underflow", "saturation", "sqnr_db")

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kiln_base.config import ModelShape
+
 
 @dataclass
 class ModelArgs:
@@ -26,6 +28,11 @@ class ModelArgs:
     context_len: int = 8192  # the context the model is made for (Hugging Face's max_position_embeddings)
     depth_init: bool = True  # output projections' init std shrinks with layer depth
     tie_word_embeddings: bool = False
+
+    def shape(self) -> ModelShape:
+        """What the config checks need to know of this shape (kiln_base/config/checks.py)."""
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        return ModelShape(self.dim, self.n_layers, self.n_heads, kv, ffn_hidden_dim(self), self.vocab_size)
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from trainer.config import ActivationCheckpoint
-from trainer.internals import checkpoint_wrapper, sac_op_output, tree_leaves
+from kiln_base.config import ActivationCheckpoint
+from kiln_base.internals import checkpoint_wrapper, sac_op_output, tree_leaves
 
 if TYPE_CHECKING:
     from models import Transformer

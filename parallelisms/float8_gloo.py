@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.internals import FSDPAllGather, all_gather_single, float8_data, float8_ops_table, float8_with_data
+from kiln_base.internals import FSDPAllGather, all_gather_single, float8_data, float8_ops_table, float8_with_data
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 

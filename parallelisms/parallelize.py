@@ -23,10 +23,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from float8.converter import is_float8_linear
+from kiln_base.config import ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
+from kiln_base.internals import enable_emulate_precision_casts, enable_micro_pipeline_tp
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.parallel_dims import ParallelDims
-from trainer.config import ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
-from trainer.internals import enable_emulate_precision_casts, enable_micro_pipeline_tp
 
 if TYPE_CHECKING:
     from models import Transformer
@@ -122,7 +122,7 @@ def wait_async_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tu
     upstream by pytorch/pytorch#191113). `wait_tensor` is differentiable and costs nothing extra: the block's
     first op would wait for the collective anyway. FSDP's pre-forward hook used to hide this by rewrapping inputs.
     """
-    from trainer.internals import wait_if_async_collective
+    from kiln_base.internals import wait_if_async_collective
 
     return tuple(wait_if_async_collective(a) for a in args)
 

@@ -54,9 +54,9 @@ def main() -> int:
     tt_args = dataclasses.replace(llama3_args["8B_8L"], max_seq_len=cfg.training.seq_len)
     with torch.device("meta"):
         tt_params = sum(p.numel() for p in TTTransformer(tt_args).parameters())
+    from kiln_base.config import parse_args
     from models import Transformer
     from trainer.build import model_args
-    from trainer.config import parse_args
 
     kiln_cfg = parse_args(KILN_SHAPE)
     args = model_args(kiln_cfg.model, kiln_cfg.training.seq_len, 2256)

@@ -36,11 +36,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kiln_base.errors import ConfigError, UserError  # noqa: E402
 from models.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
 from trainer.components import checkpoint, hf  # noqa: E402
 from trainer.components.initial_load import stored_kiln_args  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch attribute names
 DEFAULT_TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")

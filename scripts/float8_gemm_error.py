@@ -17,7 +17,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from float8.converter import Float8Converter  # noqa: E402
-from trainer.config import Float8  # noqa: E402
+from kiln_base.config import Float8  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

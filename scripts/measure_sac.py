@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import parallelisms.activation_checkpoint as ac  # noqa: E402
+from kiln_base.config import ActivationCheckpoint  # noqa: E402
 from models import LLAMA3_FLAVORS, Transformer  # noqa: E402
-from trainer.config import ActivationCheckpoint  # noqa: E402
 
 
 def main() -> None:

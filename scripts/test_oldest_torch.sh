@@ -25,7 +25,7 @@ CUDA_LIBS=(
     nvidia-curand==10.4.0.35 nvidia-cusparse==12.6.3.3 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7
     nvidia-nvjitlink==13.4.92 nvidia-nvshmem-cu13==3.4.5
 )
-# Every private torch/torchao use is in trainer/internals.py and test_internals.py exercises each function (its
+# Every private torch/torchao use is in kiln_base/internals.py and test_internals.py exercises each function (its
 # FSDP all-gather test on 2 ranks); the other files run the code that calls them: float8 (converter, checks, SQNR,
 # FSDP float8 all-gather over gloo), parallelisms (FSDP, TP, SAC, compile), the saved-activation report, the dry
 # run (fake process group), checkpoints, the hot path. Their slow and multi-process tests are left to the main

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from trainer.internals import cpu_scaled_mm_supports_rowwise
+from kiln_base.internals import cpu_scaled_mm_supports_rowwise
 
 if TYPE_CHECKING:
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
@@ -44,8 +44,8 @@ def tiny_run_args(*extra: str, ac: str = "none") -> list[str]:
 def open_trainer(argv: list[str]) -> Iterator[Trainer]:
     """A Trainer built from train.py arguments, closed (data thread, checkpoint, process group) however the
     block ends. A Trainer that fails in __init__ leaves its process group to conftest's cleanup fixture."""
-    from trainer.config import parse_args
-    from trainer.train import Trainer  # lazy: importing tests.common stays light
+    from kiln_base.config import parse_args
+    from trainer.trainer import Trainer  # lazy: importing tests.common stays light
 
     trainer = Trainer(parse_args(argv))
     try:

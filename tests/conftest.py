@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tests.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
 
 if TYPE_CHECKING:
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
-from trainer.train import Trainer  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
 
 
 def main() -> int:

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln_base.internals import checkpoint_wrapper
 from models import LLAMA3_FLAVORS, Transformer
 from parallelisms.activation_checkpoint import SAC_SAVE_LIST, sac_context_fn
-from trainer.internals import checkpoint_wrapper
 
 aten = torch.ops.aten
 VOCAB, SEQ, LAYERS = 2256, 64, 2  # debugmodel widths; 2 blocks are enough to see per-block patterns

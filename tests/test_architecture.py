@@ -1,20 +1,16 @@
-"""The import contract: kiln's packages form layers, and each module imports only its own layer or below.
+"""The import contract: kiln's folders are layers, and each module imports only its own layer or below.
 
-    0 trainer.errors                          (user errors; standard library only)
-    1 trainer.torchtitan_compat               (torchtitan's key names -> kiln's; standard library only)
-    2 trainer.config                          (config dataclasses, parsing, validation; standard library only)
-    3 trainer.internals                       (every use of private torch/torchao APIs)
-    4 models
-    5 float8 | trainer.components             (siblings: neither imports the other)
-    6 parallelisms
-    7 trainer.build                           (the one model-build path)
-    8 trainer.tools                           (dry run, saved-activation report, profiling, guards)
-    9 trainer.hooks                           (the train loop's step hooks)
-   10 trainer.train                           (the Trainer)
-   11 train.py, benchmarks                   (entry points)
-   12 launch.py, scripts                     (drive the entry points: the torchrun launcher, the GPU bundle check)
+Folders, bottom to top (nothing imports a folder above its own):
 
-Imports inside functions count too: a lazy import is still a dependency. docs/architecture.md explains the layers.
+    kiln_base      errors and exit statuses, the config (schema, parser, checks), the private torch/torchao uses
+    models         Llama 3: args per flavor, the nn.Module, FLOPs per token
+    float8         the torchao converter, environment facts, first-step checks, the numerics observatory
+    parallelisms   ParallelDims and the mesh, TP, activation checkpointing, compile, FSDP
+    trainer        components < build < tools < hooks < trainer (the Trainer)
+    entry points   train.py, benchmarks; then launch.py and scripts, which drive them
+
+Within a folder, modules are layered too (LAYERS below). Imports inside functions count: a lazy import is still a
+dependency. docs/architecture.md explains the layers.
 """
 
 from __future__ import annotations
@@ -28,21 +24,23 @@ import pytest
 from tests.common import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
-    ("trainer.errors",),
-    ("trainer.torchtitan_compat",),  # below trainer.config, which calls it (same-layer siblings may not import)
-    ("trainer.config",),
-    ("trainer.internals",),
+    ("kiln_base.errors",),
+    ("kiln_base.config",),  # schema < values < torchtitan_compat, checks < parse (no cycles: see below)
+    ("kiln_base.internals",),
     ("models",),
-    ("float8", "trainer.components"),
+    ("float8",),
     ("parallelisms",),
+    ("trainer.components",),
     ("trainer.build",),
     ("trainer.tools",),
     ("trainer.hooks",),
-    ("trainer.train",),
+    ("trainer.trainer",),
     ("train", "benchmarks"),
     ("launch", "scripts"),
 ]
-KILN_TOP = {"trainer", "models", "float8", "parallelisms", "train", "scripts", "benchmarks"}
+FOLDERS = ["kiln_base", "models", "float8", "parallelisms", "trainer", "entry points"]
+KILN_TOP = {"kiln_base", "trainer", "models", "float8", "parallelisms", "train", "launch", "scripts", "benchmarks"}
+STANDARD_LIBRARY_ONLY = ("kiln_base.errors", "kiln_base.config")
 
 
 def _unit(module: str) -> tuple[int, str]:
@@ -54,6 +52,11 @@ def _unit(module: str) -> tuple[int, str]:
                 best = (layer, unit)
     assert best is not None, f"{module} belongs to no layer: add it to LAYERS (and docs/architecture.md)"
     return best
+
+
+def _folder(module: str) -> int:
+    top = module.split(".")[0]
+    return FOLDERS.index(top) if top in FOLDERS else len(FOLDERS) - 1
 
 
 def _modules() -> dict[str, Path]:
@@ -99,15 +102,24 @@ def test_imports_point_down(name: str) -> None:
         )
 
 
-def test_bottom_layer_is_standard_library_only() -> None:
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_folder_imports_a_folder_above_it(name: str) -> None:
+    """The folder rule on its own: float8/, parallelisms/ and models/ never reach up into trainer/."""
+    for target, line in _kiln_imports(name):
+        assert _folder(target) <= _folder(name), (
+            f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}: folder {FOLDERS[_folder(target)]} sits "
+            f"above {FOLDERS[_folder(name)]}"
+        )
+
+
+def test_the_config_and_errors_are_standard_library_only() -> None:
     stdlib = set(sys.stdlib_module_names) | {"__future__", "tomli"}
-    bottom = ("trainer.errors", "trainer.torchtitan_compat", "trainer.config")
-    for name in bottom:
+    for name in (n for n in MODULES if n.startswith(STANDARD_LIBRARY_ONLY)):
         for module, line in _imports(MODULES[name]):
             top = module.split(".")[0]
-            # `from trainer import x` records "trainer" and "trainer.x"; the second is checked on its own
-            assert top in stdlib or module == "trainer" or module in bottom or module.rpartition(".")[0] in bottom, (
-                f"{name}:{line} imports {module}; the bottom layer must stay standard-library only"
+            inside = module.startswith(STANDARD_LIBRARY_ONLY) or module == "kiln_base"
+            assert top in stdlib or inside, (
+                f"{name}:{line} imports {module}; the config must stay standard-library only"
             )
 
 
@@ -127,3 +139,15 @@ def test_no_import_cycles() -> None:
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def test_nothing_cites_a_document_outside_the_repository() -> None:
+    """Docstrings and docs name only documents a reader of the repository can open."""
+    outside = ("DESIGN.md", "STYLE.md", "shared/seeds")
+    for path in [*ROOT.glob("**/*.py"), *ROOT.glob("**/*.md"), *ROOT.glob("**/*.sh")]:
+        rel = path.relative_to(ROOT)
+        if rel.parts[0].startswith(".") or rel.parts[0] == "gpu_bundle" or rel == Path(__file__).relative_to(ROOT):
+            continue
+        text = path.read_text(errors="replace")
+        for name in outside:
+            assert name not in text, f"{rel} cites {name}, which is not in the repository"

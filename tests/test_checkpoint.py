@@ -18,12 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import train as train_entry
+from kiln_base.config import Checkpoint, parse_args
 from models import LLAMA3_FLAVORS, ModelArgs
 from tests.common import HANG_TIMEOUT_S, ROOT, tiny_run_args
 from tests.common import run_trainer as run_to_end
 from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
-from trainer.config import Checkpoint, parse_args
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 DRIVER = str(ROOT / "tests" / "ckpt_driver.py")
 TINY = tiny_run_args("--training.deterministic")

@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import train as train_entry
+from kiln_base.config import parse_args
 from models import LLAMA3_FLAVORS
 from tests.test_checkpoint import SMALL, TINY, names, snapshot
-from trainer.config import parse_args
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]

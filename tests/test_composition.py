@@ -4,7 +4,7 @@ The axes are what a user combines on the command line. Testing every combination
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
 construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
-path users run: `trainer.config.parse_args` + `trainer.train.Trainer` on gloo ranks. It must train: losses
+path users run: `kiln_base.config.parse_args` + `trainer.trainer.Trainer` on gloo ranks. It must train: losses
 finite, falling, and close to a one-process fp32 reference on the same global batches; with float8, the
 first-step float8 check must have passed and logged float8 matmuls in use.
 
@@ -258,20 +258,16 @@ def test_cell(cell: Cell, results: Any) -> None:
 def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Refused cells stop with one line (exit 2): at config time, or (float8 all-gather without FSDP) at step 1."""
     import train
+    from kiln_base.config import check_parallel_plan, parse_args
+    from kiln_base.errors import ConfigError
     from models import LLAMA3_FLAVORS
-    from parallelisms.parallel_dims import ParallelDims, validate_parallelism
-    from trainer.config import ConfigError, parse_args
 
     refused = [c for c in all_cells() if excluded(c) and "refused" in excluded(c)]
     assert len(refused) == 4 + 5  # tp2 (no float8 all-gather there) and fsdp2xtp2, each with layer AC + compile
     for cell in refused:
         cfg = parse_args(cell.argv(str(tmp_path)))
-        p = cfg.parallelism
-        dims = ParallelDims(
-            p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree, cell.world_size
-        )
         with pytest.raises(ConfigError, match="fails in"):
-            validate_parallelism(dims, LLAMA3_FLAVORS["debugmodel"], cfg.training, p, "cpu", cfg.activation_checkpoint)
+            check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel"].shape(), "cpu")
     cell = Cell("tensorwise_ag", "1rank", "none", "eager")
     assert excluded(cell).startswith("invalid")
     assert train.main([*cell.argv(str(tmp_path)), "--training.steps", "1"]) == 2

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kiln_base.config import JobConfig, format_help, parse_args, to_toml
+from kiln_base.errors import ConfigError
 from tests.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT
-from trainer.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 
 
 def test_precedence_defaults_toml_cli() -> None:
@@ -129,7 +130,7 @@ def test_garbage_tokenizer_file_exits_2(tmp_path: Path) -> None:
 
 
 def test_config_import_is_light() -> None:
-    code = "import sys, trainer.config; assert 'torch' not in sys.modules, 'config imports torch'"
+    code = "import sys, kiln_base.config; assert 'torch' not in sys.modules, 'config imports torch'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -148,7 +149,7 @@ def test_run_train_sh_reports_config_errors_before_torchrun() -> None:
 
 
 def test_mixed_precision_auto_resolves_by_device() -> None:
-    from trainer.config import resolve_mixed_precision
+    from kiln_base.config import resolve_mixed_precision
 
     assert parse_args([]).training.mixed_precision_param == "auto"
     assert resolve_mixed_precision("auto", "cuda") == "bfloat16"
@@ -190,13 +191,13 @@ def test_last_config_file_wins_and_paths_are_absolute(tmp_path: Path, monkeypatc
         (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"], 2, "seq_len (33) must be"),
     ],
 )
-def test_validate_world_checks_degrees_and_batch(argv: list[str], world: int, message: str) -> None:
-    from trainer.config import validate_world
+def test_check_world_checks_degrees_and_batch(argv: list[str], world: int, message: str) -> None:
+    from kiln_base.config import check_world
 
     with pytest.raises(ConfigError) as e:
-        validate_world(parse_args(argv), world)
+        check_world(parse_args(argv), world)
     assert message in str(e.value)
-    validate_world(parse_args(["--training.global_batch_size", "8", "--training.local_batch_size", "2"]), 4)  # fits
+    check_world(parse_args(["--training.global_batch_size", "8", "--training.local_batch_size", "2"]), 4)  # fits
 
 
 # ----------------------------------------------------------------------------- renamed keys

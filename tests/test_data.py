@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln_base.config import Training
+from kiln_base.errors import ConfigError, DataError
 from tests.common import HANG_TIMEOUT_S, TOKENIZER_PATH
 from trainer.components.data import DataLoader, build_dataloader
 from trainer.components.tokenizer import Tokenizer
-from trainer.config import ConfigError, Training
-from trainer.errors import DataError
 
 TOKENIZER = Tokenizer(str(TOKENIZER_PATH))
 

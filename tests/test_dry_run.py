@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 import train
+from kiln_base.config import ActivationCheckpoint, Training, parse_args
 from models import LLAMA3_FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from tests.common import DEBUG_CONFIG, ROOT
 from tests.sac_helpers import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
-from trainer.config import ActivationCheckpoint, Training, parse_args
 from trainer.tools.dry_run import dry_run, memory_estimate
 from trainer.tools.saved_activations import measure_saved_activations
 
@@ -126,13 +126,16 @@ def test_model_width_overrides_that_do_not_split_into_heads_exit_2(
 
 
 def test_width_overrides_with_from_checkpoint_may_only_repeat_the_stored_shape() -> None:
+    from kiln_base.config import FROM_CHECKPOINT, Model
+    from kiln_base.errors import ConfigError
     from trainer.build import model_args
-    from trainer.config import FROM_CHECKPOINT, ConfigError, Model
+    from trainer.components.initial_load import InitialSource
 
     stored = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256)  # n_kv_heads None: 16 kv heads
+    source = InitialSource("ckpt", "kiln", stored)
     same = Model(flavor=FROM_CHECKPOINT, dim=256, n_heads=16, n_kv_heads=16)
-    assert model_args(same, 64, 2256, stored, "ckpt") == dataclasses.replace(stored, max_seq_len=64)
+    assert model_args(same, 64, 2256, source) == dataclasses.replace(stored, max_seq_len=64)
     with pytest.raises(
         ConfigError, match=r"^model.n_kv_heads 4 differs from ckpt's 16 \(model.flavor from_checkpoint\)"
     ):
-        model_args(Model(flavor=FROM_CHECKPOINT, n_kv_heads=4), 64, 2256, stored, "ckpt")
+        model_args(Model(flavor=FROM_CHECKPOINT, n_kv_heads=4), 64, 2256, source)

@@ -19,11 +19,12 @@ import torch
 import torch.nn as nn
 
 from float8.converter import Float8Converter, build_float8_converter, too_small_to_gain
+from kiln_base.config import Float8, parse_args
+from kiln_base.errors import ConfigError
 from models import LLAMA3_FLAVORS, Transformer
 from tests.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT, needs_cpu_rowwise, open_trainer, run_trainer, tiny_run_args
 from tests.distributed import run_distributed
-from trainer.config import ConfigError, Float8, parse_args
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1")
 BLOCK_LINEARS += ("feed_forward.w2", "feed_forward.w3")
@@ -278,7 +279,7 @@ def test_entry_point_exits_2_with_one_line(patch: str, argv: list[str], message:
 
 
 def test_gpu_capability_check_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from float8.validation import check_float8_environment
+    from float8.environment import check_float8_environment
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -293,7 +294,7 @@ def test_gpu_capability_check_in_process(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_float8_validation_import_is_light() -> None:
-    code = "import sys, trainer.config, float8.validation\n"
+    code = "import sys, kiln_base.config, float8.environment\n"
     code += "assert 'torch' not in sys.modules and 'torchao' not in sys.modules"
     code += "\nimport float8.converter; assert 'torchao' not in sys.modules, 'converter imports torchao eagerly'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=HANG_TIMEOUT_S)
@@ -449,10 +450,10 @@ def test_precompute_hook_sets_global_scales_under_fsdp(tmp_path: Path) -> None:
 def test_cpu_rowwise_needs_a_cpu_kernel_with_row_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a torch whose CPU _scaled_mm takes per-tensor scales only (2.11), a rowwise CPU run is a config error
     naming the recipe and the ways out, not an internal assert at the first matmul."""
-    import trainer.internals
-    from float8.validation import check_cpu_float8
+    import kiln_base.internals
+    from float8.environment import check_cpu_float8
 
-    monkeypatch.setattr(trainer.internals, "cpu_scaled_mm_supports_rowwise", lambda: False)
+    monkeypatch.setattr(kiln_base.internals, "cpu_scaled_mm_supports_rowwise", lambda: False)
     for recipe in ("rowwise", "rowwise_with_gw_hp"):
         with pytest.raises(ConfigError, match=f"float8.recipe_name {recipe}: torch .* per-tensor scales only"):
             check_cpu_float8(Float8(enable_float8_linear=True, recipe_name=recipe))

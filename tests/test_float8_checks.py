@@ -12,11 +12,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import train
-import trainer.train as trainer_module
 from float8.checks import Float8UsageProbe
+from kiln_base.config import Float8
+from kiln_base.errors import ConfigError
 from tests.common import DEBUG_CONFIG, free_port, needs_cpu_rowwise
 from tests.sac_helpers import batch, debug_model, loss_fn
-from trainer.config import ConfigError, Float8
+from trainer import build
 
 ON = Float8(enable_float8_linear=True)
 
@@ -193,7 +194,7 @@ def test_trainer_checks_float8_at_first_step(
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture,
 ) -> None:
-    monkeypatch.setattr(trainer_module, "build_float8_converter", lambda cfg, tp_degree: _Converter(cfg, mode))
+    monkeypatch.setattr(build, "float8_converter", lambda cfg, tp_degree: _Converter(cfg, mode))
     caplog.set_level(logging.INFO, logger="kiln")
     argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
     argv += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1"]

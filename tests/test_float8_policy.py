@@ -17,8 +17,8 @@ from tests.common import run_trainer, tiny_run_args
 
 def test_high_precision_first_last_keeps_the_edge_blocks() -> None:
     from float8.converter import Float8Converter, is_float8_linear
+    from kiln_base.config import parse_args
     from models import LLAMA3_FLAVORS, Transformer
-    from trainer.config import parse_args
 
     cfg = parse_args(tiny_run_args("--float8.enable_float8_linear", "--float8.high_precision_first_last", "1"))
     args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=512)
@@ -39,7 +39,7 @@ def test_switch_to_high_precision_runs_the_exact_matmul(recipe: str) -> None:
     """After the switch every float8 Linear computes F.linear of its high-precision weight, exactly; before, not."""
     from float8.converter import Float8Converter, is_float8_linear, switch_to_high_precision
     from float8.numerics import high_precision_weight
-    from trainer.config import parse_args
+    from kiln_base.config import parse_args
 
     extra = ("--float8.emulate",) if recipe.startswith("mx") else ()
     cfg = parse_args(tiny_run_args("--float8.enable_float8_linear", "--float8.recipe_name", recipe, *extra))

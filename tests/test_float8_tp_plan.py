@@ -38,9 +38,9 @@ def _describe(x: Any) -> tuple[str, str, str, tuple[int, ...]]:
 
 def _plan_rank(recipes: list[str]) -> dict[str, dict[str, Any]]:
     from float8.converter import build_float8_converter
+    from kiln_base.config import parse_args
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.build import build_model
-    from trainer.config import parse_args
+    from trainer.build import build_model, model_args
 
     out = {}
     for recipe in recipes:
@@ -52,7 +52,8 @@ def _plan_rank(recipes: list[str]) -> dict[str, dict[str, Any]]:
         )
         dims = ParallelDims(1, -1, 2, dist.get_world_size())
         dims.build_mesh("cpu")
-        built = build_model(cfg, dims, 2256, build_float8_converter(cfg.float8))  # the Trainer's build path
+        args = model_args(cfg.model, cfg.training.seq_len, 2256)
+        built = build_model(cfg, args, dims, build_float8_converter(cfg.float8))  # the Trainer's build path
         model = built.model
         model.to_empty(device="cpu")
         torch.manual_seed(0)

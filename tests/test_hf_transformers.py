@@ -353,7 +353,7 @@ def test_trainer_starts_from_hf_folder(tmp_path: Path) -> None:
     # The same weights, named flavor: debugmodel has 6 layers; with 2 the next difference is rope_theta.
     diff_theta = tmp_path / "theta"
     _hf_debug_shape(diff_theta, **{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
-    from trainer.errors import ConfigError
+    from kiln_base.errors import ConfigError
 
     bad = [
         *argv,
@@ -391,7 +391,7 @@ def test_trainer_starts_from_converted_checkpoint_and_refuses_other_rope(tmp_pat
     other = tmp_path / "other"
     _hf_debug_shape(other, num_hidden_layers=6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert conv.main(["from_hf", str(other), str(tmp_path / "b" / "checkpoint")]) == 0
-    from trainer.errors import CheckpointError
+    from kiln_base.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="rope_theta is 10000.0 there but 500000"):
         with open_trainer(tiny_run_args("--checkpoint.enable_checkpoint", "--job.dump_folder", str(tmp_path / "b"))):
@@ -410,8 +410,8 @@ def test_trainer_starts_from_converted_checkpoint_and_refuses_other_rope(tmp_pat
 def test_checkpoints_saved_before_the_rope_fields_still_resume() -> None:
     """A full checkpoint's stored model settings predate rope_scaling_factor, context_len...: missing fields take
     their defaults (what the model computed then), so it resumes; a real change is still refused."""
+    from kiln_base.errors import CheckpointError
     from trainer.components.resume import check_resume
-    from trainer.errors import CheckpointError
 
     args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=VOCAB)
     current = {"model": {k: v for k, v in dataclasses.asdict(args).items() if k not in ("max_seq_len", "depth_init")}}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln_base.internals import TorchDispatchMode
 from tests.common import DEBUG_CONFIG, open_trainer
-from trainer.internals import TorchDispatchMode
 
 # Ops that copy a device value to the host (.item(), bool(tensor), .tolist()): each is a CUDA sync point.
 SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}

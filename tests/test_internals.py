@@ -1,4 +1,4 @@
-"""trainer/internals.py: every function that touches private torch/torchao internals, exercised against the
+"""kiln_base/internals.py: every function that touches private torch/torchao internals, exercised against the
 installed versions, so an upgrade (or the oldest supported torch, .ci/run's torch 2.11 leg) that changes one
 fails here by name. Plus the rule that makes the module mean something: nothing else in kiln uses them.
 """
@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kiln_base import internals
 from tests.distributed import free_port
-from trainer import internals
 
 ROOT = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
@@ -335,11 +335,11 @@ def test_private_internals_only_in_trainer_internals() -> None:
             rel.parts[0] in ("tests", "gpu_bundle")
             or rel.name.startswith("repro_")  # standalone upstream reproductions: no kiln imports by design
             or rel.parts[0].startswith(".")
-            or rel == Path("trainer/internals.py")
+            or rel == Path("kiln_base/internals.py")
         ):
             continue
         found += list(_private_uses(path, rel.as_posix()))
-    assert not found, "private torch/torchao internals outside trainer/internals.py:\n" + "\n".join(found)
+    assert not found, "private torch/torchao internals outside kiln_base/internals.py:\n" + "\n".join(found)
 
 
 def test_the_rule_sees_private_uses(tmp_path: Path) -> None:
@@ -385,7 +385,7 @@ def test_cpu_float8_conversion_skips_torchaos_triton_patch() -> None:
     code = (
         "import sys, torch.nn as nn\n"
         "from float8.converter import Float8Converter\n"
-        "from trainer.config import Float8\n"
+        "from kiln_base.config import Float8\n"
         "model = nn.Sequential(nn.Linear(64, 64))\n"
         "Float8Converter(Float8(enable_float8_linear=True)).convert(model)\n"
         "from torchao.float8 import _inductor_patch\n"

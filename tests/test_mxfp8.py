@@ -29,7 +29,7 @@ COMMON = (
 
 
 def _cfg(recipe: str = "mxfp8_rceil", *extra: str) -> Any:
-    from trainer.config import parse_args
+    from kiln_base.config import parse_args
 
     return parse_args([*COMMON, *MX, recipe, *extra])
 
@@ -137,7 +137,7 @@ def test_mxfp8_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_mxfp8_dry_run_lists_mxfp8_weights() -> None:
-    from trainer.config import parse_args
+    from kiln_base.config import parse_args
     from trainer.tools.dry_run import dry_run
 
     cfg = parse_args(

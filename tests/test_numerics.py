@@ -64,7 +64,8 @@ def test_numerics_hook_alarm_fires_once_on_an_underflowing_layer(
 ) -> None:
     """A layer whose weight is one outlier and tiny values (tensorwise: the outlier sets the scale, the rest
     underflow) gets one warning naming it and the fixes; the JSONL holds every layer and operand per logged step."""
-    from trainer.config import parse_args
+    from float8.numerics_report import NumericsReport
+    from kiln_base.config import parse_args
     from trainer.hooks import NumericsHook, StepOutput
 
     caplog.set_level(logging.INFO, logger="kiln")
@@ -74,7 +75,7 @@ def test_numerics_hook_alarm_fires_once_on_an_underflowing_layer(
     with torch.no_grad():
         bad.weight.mul_(1e-4)
         bad.weight[0, 0] = 100.0
-    hook = NumericsHook(model, cfg, str(tmp_path), 0, True, None)
+    hook = NumericsHook(model, cfg, NumericsReport(cfg, str(tmp_path), 0, True, None))
     for step in (1, 2):
         hook.pre_step(step)
         with hook.step_context(step):

@@ -14,7 +14,7 @@ import train
 from scripts.compare_runs import main as compare_main
 from tests.common import tiny_run_args
 from trainer.tools.guards import NonFiniteError, last_checkpoint
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 
 def test_profiler_traces_every_freq_steps_and_cpu_snapshot_warns(

@@ -19,13 +19,22 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln_base.config import (
+    ActivationCheckpoint,
+    Float8,
+    JobConfig,
+    Parallelism,
+    Training,
+    check_parallel_plan,
+    check_world,
+)
+from kiln_base.errors import ConfigError
 from models import ModelArgs, Transformer
 from models.args import ffn_hidden_dim
 from parallelisms.activation_checkpoint import SAC_SAVE_LIST
-from parallelisms.parallel_dims import ParallelDims, validate_parallelism
+from parallelisms.parallel_dims import ParallelDims
 from tests.common import run_trainer, tiny_run_args
 from tests.distributed import run_distributed
-from trainer.config import ActivationCheckpoint, ConfigError, Float8, Parallelism, Training
 
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=32, rope_theta=500000
@@ -452,6 +461,25 @@ def _dims(tp: int = 1, world: int = 2) -> ParallelDims:
     return ParallelDims(1, -1, tp, world)
 
 
+def _plan(
+    args: ModelArgs,
+    training: Training,
+    parallelism: Parallelism,
+    device_type: str,
+    ac: ActivationCheckpoint | None = None,
+    tp: int = 2,
+    world: int = 2,
+) -> None:
+    """The world and parallel-plan checks a rank runs before its build (kiln_base/config/checks.py)."""
+    cfg = JobConfig(
+        training=training,
+        parallelism=dataclasses.replace(parallelism, tensor_parallel_degree=tp),
+        activation_checkpoint=ac or ActivationCheckpoint("none"),
+    )
+    check_world(cfg, world)
+    check_parallel_plan(cfg, args.shape(), device_type)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -462,18 +490,18 @@ def _dims(tp: int = 1, world: int = 2) -> ParallelDims:
 )
 def test_tp_degree_must_divide_model_shapes(args: dict[str, int], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        validate_parallelism(_dims(tp=2), dataclasses.replace(ARGS, **args), Training(), Parallelism(), "cpu")
+        _plan(dataclasses.replace(ARGS, **args), Training(seq_len=32), Parallelism(), "cpu")
 
 
 def test_batch_and_async_tp_checks() -> None:
-    validate_parallelism(_dims(tp=2), ARGS, Training(seq_len=32), Parallelism(), "cpu")  # fits
+    _plan(ARGS, Training(seq_len=32), Parallelism(), "cpu")  # fits
     with pytest.raises(ConfigError, match="training.seq_len \\(33\\) must be divisible by tensor_parallel_degree"):
-        validate_parallelism(_dims(tp=2), ARGS, Training(seq_len=33), Parallelism(), "cpu")
+        _plan(ARGS, Training(seq_len=33), Parallelism(), "cpu")
     async_tp = Parallelism(enable_async_tensor_parallel=True)
     with pytest.raises(ConfigError, match="enable_async_tensor_parallel needs CUDA"):
-        validate_parallelism(_dims(tp=2), ARGS, Training(seq_len=32, compile=True), async_tp, "cpu")
+        _plan(ARGS, Training(seq_len=32, compile=True), async_tp, "cpu")
     with pytest.raises(ConfigError, match="needs tensor_parallel_degree > 1 and training.compile"):
-        validate_parallelism(_dims(tp=2), ARGS, Training(seq_len=32), async_tp, "cuda")
+        _plan(ARGS, Training(seq_len=32), async_tp, "cuda")
 
 
 @pytest.mark.parametrize(
@@ -497,7 +525,7 @@ def test_dp_shard_takes_the_rest() -> None:
 def test_tp_compile_without_fsdp_is_accepted() -> None:
     compiled = Training(seq_len=32, compile=True)
     for device_type in ("cpu", "cuda"):  # the torch bug it once hit is worked around in apply_compile
-        validate_parallelism(_dims(tp=2), ARGS, compiled, Parallelism(), device_type)
+        _plan(ARGS, compiled, Parallelism(), device_type)
 
 
 @pytest.mark.parametrize(
@@ -514,8 +542,8 @@ def test_rowwise_compile_turns_on_emulate_precision_casts(recipe: str, compile: 
     emulate_precision_casts (pytorch#150859, as torchtitan does); tensorwise or eager leave it alone."""
     import torch._inductor.config as inductor_config
 
-    from trainer.config import parse_args
-    from trainer.internals import emulate_precision_casts_enabled
+    from kiln_base.config import parse_args
+    from kiln_base.internals import emulate_precision_casts_enabled
     from trainer.tools.dry_run import dry_run
 
     argv = tiny_run_args("--job.dry_run", "--float8.enable_float8_linear", "--float8.recipe_name", recipe)
@@ -555,14 +583,14 @@ def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyP
 
 
 def test_tp_compile_with_whole_block_ac_is_refused_on_cpu() -> None:
-    fsdp_tp, compiled = ParallelDims(1, 2, 2, 4), Training(seq_len=32, compile=True)
+    compiled = Training(seq_len=32, compile=True)
     for ac in (ActivationCheckpoint("full"), ActivationCheckpoint("selective", "2")):
         with pytest.raises(
             ConfigError, match=rf"tensor parallel \+ training.compile \+ activation_checkpoint.mode {ac.mode}"
         ):
-            validate_parallelism(fsdp_tp, ARGS, compiled, Parallelism(), "cpu", ac)
-        validate_parallelism(fsdp_tp, ARGS, Training(seq_len=32), Parallelism(), "cpu", ac)  # eager: fine
-        validate_parallelism(fsdp_tp, ARGS, compiled, Parallelism(), "cuda", ac)  # not known to fail on CUDA
-        validate_parallelism(ParallelDims(1, 4, 1, 4), ARGS, compiled, Parallelism(), "cpu", ac)  # no TP: fine
+            _plan(ARGS, compiled, Parallelism(), "cpu", ac, world=4)
+        _plan(ARGS, Training(seq_len=32), Parallelism(), "cpu", ac, world=4)  # eager: fine
+        _plan(ARGS, compiled, Parallelism(), "cuda", ac, world=4)  # not known to fail on CUDA
+        _plan(ARGS, compiled, Parallelism(), "cpu", ac, tp=1, world=4)  # no TP: fine
     for ac in (ActivationCheckpoint("none"), ActivationCheckpoint("selective", "op")):  # these compile and train
-        validate_parallelism(fsdp_tp, ARGS, compiled, Parallelism(), "cpu", ac)
+        _plan(ARGS, compiled, Parallelism(), "cpu", ac, world=4)

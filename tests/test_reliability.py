@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import train as train_entry
+from kiln_base.config import JobConfig, Range, Training, parse_args
+from kiln_base.errors import CheckpointError, ConfigError, DataError
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer
 from tests.common import ROOT, tiny_run_args
 from tests.distributed import run_distributed
@@ -34,9 +36,7 @@ from trainer.components.optim import lr_factor
 from trainer.components.preemption import StopOnSignal
 from trainer.components.resume import check_resume
 from trainer.components.tokenizer import Tokenizer
-from trainer.config import ConfigError, JobConfig, Range, Training, parse_args
-from trainer.errors import CheckpointError, DataError
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 TOKENIZER_PATH = str(ROOT / "assets" / "tokenizer" / "tokenizer.model")
 DRIVER = str(ROOT / "tests" / "loss_driver.py")

@@ -1,4 +1,4 @@
-"""torchtitan's TOML files and flags run as they are (trainer/torchtitan_compat.py).
+"""torchtitan's TOML files and flags run as they are (kiln_base/config/torchtitan_compat.py).
 
 The fixtures under tests/fixtures/torchtitan/ are torchtitan's own Llama 3 configs of every TOML release
 (v0.1.0 .. v0.2.2) and the key list of each release's JobConfig, copied from the torchtitan repository by
@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 import train
-from trainer.config import ConfigError, JobConfig, Model, parse_args, resolve_input_path
-from trainer.torchtitan_compat import KILN_TOKENIZER, ROWS, ROWS_LIST, Honour, Ignore, Map, markdown_table
+from kiln_base.config import JobConfig, Model, parse_args, resolve_input_path
+from kiln_base.config.torchtitan_compat import KILN_TOKENIZER, ROWS, ROWS_LIST, Honour, Ignore, Map, markdown_table
+from kiln_base.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "torchtitan"
@@ -110,7 +111,7 @@ def test_doc_lists_the_defaults_that_differ() -> None:
 
 def test_doc_table_is_generated_from_the_code_table() -> None:
     text = DOC.read_text()
-    table = text.split("from trainer/torchtitan_compat.py -->\n")[1].split("<!-- END generated table -->")[0]
+    table = text.split("from kiln_base/config/torchtitan_compat.py -->\n")[1].split("<!-- END generated table -->")[0]
     assert table == markdown_table(), "stale: run python scripts/torchtitan_keys_doc.py"
     assert table.count("\n| `") == len(ROWS)
 

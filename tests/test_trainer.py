@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import trainer.components.metrics as metrics_module
+from kiln_base.config import parse_args
 from tests.common import DEBUG_CONFIG, open_trainer, run_trainer
 from trainer.components.metrics import format_step_line, peak_flops
 from trainer.components.optim import lr_factor
-from trainer.config import parse_args
 from trainer.hooks import compiling_steps
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 STEP_LINE = re.compile(
     r"step: +\d+  loss: +\d+\.\d{4}  memory: +\d+\.\d{2}GiB\(\d+\.\d{2}%\)  tps: [\d,]+  mfu: (n/a|\d+\.\d{2}%)"
@@ -203,7 +203,7 @@ def test_tensorboard_writes_events(tmp_path: Path) -> None:
 
 
 def test_global_batch_must_divide(tmp_path: Path) -> None:
-    from trainer.config import ConfigError
+    from kiln_base.errors import ConfigError
 
     with pytest.raises(ConfigError, match="training.global_batch_size \\(6\\) must be a multiple"):
         train(tmp_path, "--training.global_batch_size", "6")
@@ -240,19 +240,18 @@ def test_step_line_shape_and_peak_table() -> None:
 
 def test_compiling_steps() -> None:
     """The steps that keep the long collective timeout: warm-up, and each graph's first compiled step."""
-    assert compiling_steps(0, compile=False, eager_first_step=True, numerics_freq=10) == {1}  # eager: warm-up only
-    assert compiling_steps(0, compile=True, eager_first_step=False, numerics_freq=0) == {1}
-    assert compiling_steps(0, compile=True, eager_first_step=True, numerics_freq=0) == {1, 2}  # float8 check: eager 1
-    assert compiling_steps(0, compile=True, eager_first_step=True, numerics_freq=2) == {1, 3}  # numerics steps: eager
-    assert compiling_steps(0, compile=True, eager_first_step=True, numerics_freq=1) == {1}  # never compiles
-    assert compiling_steps(7, compile=True, eager_first_step=True, numerics_freq=3) == {8, 10}  # resumed at 7
+    assert compiling_steps(0, compile=False, numerics_freq=10) == {1}  # eager: warm-up only
+    assert compiling_steps(0, compile=True, numerics_freq=0) == {1}  # step 1 compiles
+    assert compiling_steps(0, compile=True, numerics_freq=1) == {1}  # numerics every step: never compiles
+    assert compiling_steps(1, compile=True, numerics_freq=2) == {2, 3}  # step 2 runs eagerly: 3 compiles
+    assert compiling_steps(8, compile=True, numerics_freq=3) == {9, 10}  # resumed at 8: 9 is a numerics step
 
 
 def test_collective_timeout_is_long_while_steps_may_compile(tmp_path: Path) -> None:
     """float8 + compile: step 1 compiles (the float8 probe leaves it compiled), so it keeps the init timeout; the
     short one starts at step 2. Read back from the process group itself."""
+    from kiln_base.internals import pg_timeout
     from trainer.hooks import CollectiveTimeoutHook
-    from trainer.internals import pg_timeout
 
     cfg = parse_args(
         ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), *BASE, "--training.compile"]
@@ -323,7 +322,7 @@ def test_precision_auto_is_float32_on_cpu_and_bf16_is_honoured_with_one_warning(
 ) -> None:
     """`auto` (the default) computes in float32 on a CPU, where bf16 autocast measured 0.06x-0.57x as fast; an
     explicit bfloat16 still runs bf16 compute, with one warning stating that cost."""
-    from trainer.config import JobConfig
+    from kiln_base.config import JobConfig
 
     assert JobConfig().training.mixed_precision_param == "auto"
     caplog.set_level(logging.INFO, logger="kiln")

@@ -1,26 +1,106 @@
-"""The one model-build path, shared by the Trainer and the dry run so the two cannot drift:
+"""The build, as named phases; the Trainer calls them in order, and the dry run shares the model phases:
 
-    flavor + overrides -> ModelArgs -> model on the meta device -> float8 conversion -> parallelize
+    float8_converter   [float8] -> the converter (torchao and the GPUs checked first, before any process group)
+    process_group      the default group and this rank's device; lost-peer watch
+    model_args         flavor + model.* overrides (or the shape stored with checkpoint.initial_load_path) -> ModelArgs
+    parallel_dims      degrees checked against the world, the shape and the device; the device mesh
+    data               the tokenizer's batches, this data-parallel rank's slice
+    build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
+    materialize        to_empty + init_weights on the device
+    optimizer          AdamW + the LR schedule
+    checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
 
-The caller materialises the weights (`to_empty` + `init_weights`) on its device afterwards; the dry run never does.
+Each phase is a function of what it needs, never of the Trainer; the hooks phase is `trainer.hooks.build_hooks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from float8.converter import Float8Converter
+from float8.converter import Float8Converter, build_float8_converter
+from float8.environment import check_cpu_float8
+from kiln_base.config import (
+    FROM_CHECKPOINT,
+    SHAPE_OVERRIDES,
+    JobConfig,
+    Model,
+    check_model_shape,
+    check_overrides_match_stored,
+    check_parallel_plan,
+    check_same_model,
+    check_world,
+)
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
-from trainer.config import FROM_CHECKPOINT, JobConfig, Model
-from trainer.errors import ConfigError
+from trainer.components.checkpoint import CheckpointManager
+from trainer.components.checkpoint_folder import FolderClaim
+from trainer.components.data import DataLoader, build_dataloader, dataset_fingerprint
+from trainer.components.dist import PeerWatch, init_distributed
+from trainer.components.initial_load import InitialSource, check_not_inside
+from trainer.components.resume import file_sha256, training_settings
+from trainer.components.tokenizer import Tokenizer
+
+logger = logging.getLogger("kiln")
+
+float8_converter = build_float8_converter  # the float8 phase: None when float8 is off
+
+
+def process_group(cfg: JobConfig) -> tuple[torch.device, PeerWatch | None]:
+    """The default process group (nccl on CUDA, gloo on a CPU; a world of one without torchrun), this rank's
+    device, and the watch that names lost ranks when a collective fails (train.py)."""
+    device = init_distributed(cfg.comm.init_timeout_seconds)
+    peers = PeerWatch.maybe_start()
+    if device.type == "cpu":
+        check_cpu_float8(cfg.float8)
+    return device, peers
+
+
+def model_args(m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None) -> ModelArgs:
+    """The shape to build: the flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the model.*
+    overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path (`source`),
+    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked."""
+    if m.flavor == FROM_CHECKPOINT:
+        assert source is not None, "config checks require checkpoint.initial_load_path with from_checkpoint"
+        check_overrides_match_stored(m, dataclasses.asdict(source.args), source.path)
+        args = dataclasses.replace(source.args, max_seq_len=seq_len)
+        check_model_shape(m, args.shape(), tokenizer_words, source.path)
+        return args
+    overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
+    args = dataclasses.replace(
+        LLAMA3_FLAVORS[m.flavor], **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len}
+    )
+    check_model_shape(m, args.shape(), tokenizer_words)
+    if source is not None:
+        check_same_model(m.flavor, source.path, first_difference(source.args, args))
+    return args
+
+
+def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> ParallelDims:
+    """The degrees for this world, checked against the world size, the model's shape and the device; the mesh."""
+    world = dist.get_world_size()
+    check_world(cfg, world)
+    check_parallel_plan(cfg, args.shape(), device_type)
+    p = cfg.parallelism
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree, world)
+    dims.build_mesh(device_type)
+    return dims
+
+
+def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device) -> DataLoader:
+    """This data-parallel rank's slice of every global batch (ranks of one TP group read the same batches)."""
+    dp_rank = dims.dp_mesh.get_local_rank()
+    return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
 
 
 @dataclass
@@ -33,86 +113,51 @@ class BuiltModel:
     tp_plan: dict[str, ParallelStyle]  # module FQN -> TP style applied; empty without TP
 
 
-def base_args(m: Model, stored: ModelArgs | None) -> ModelArgs:
-    """The flavor's ModelArgs, or with model.flavor from_checkpoint the stored ones (checkpoint.initial_load_path)."""
-    if m.flavor == FROM_CHECKPOINT:
-        assert stored is not None, "config validation requires checkpoint.initial_load_path with from_checkpoint"
-        return stored
-    return LLAMA3_FLAVORS[m.flavor]
-
-
-SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
-
-
-def model_args(
-    m: Model, seq_len: int, tokenizer_words: int, stored: ModelArgs | None = None, source: str = ""
-) -> ModelArgs:
-    """The flavor's shape with the vocabulary from the tokenizer (or model.vocab_size) and the model.* overrides
-    (n_layers, dim, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of).
-
-    `stored`: the shape stored with checkpoint.initial_load_path (`source`). With model.flavor from_checkpoint it
-    is the shape (the overrides may only repeat it); with a named flavor, every field that
-    changes what the weights compute must equal it, or the first that differs is named."""
-    if m.vocab_size is not None and m.vocab_size < tokenizer_words:
-        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's {tokenizer_words} tokens")
-    if m.flavor == FROM_CHECKPOINT:
-        assert stored is not None, "config validation requires checkpoint.initial_load_path with from_checkpoint"
-        for key in SHAPE_OVERRIDES:
-            ours, theirs = getattr(m, key), getattr(stored, key)
-            if key == "n_kv_heads" and theirs is None:
-                theirs = stored.n_heads
-            if ours is not None and ours != theirs:
-                raise ConfigError(f"model.{key} {ours} differs from {source}'s {theirs} (model.flavor from_checkpoint)")
-        if stored.vocab_size < tokenizer_words:
-            raise ConfigError(
-                f"{source} has a vocabulary of {stored.vocab_size}, smaller than model.tokenizer_path's "
-                f"{tokenizer_words} tokens: another tokenizer's model"
-            )
-        return dataclasses.replace(stored, max_seq_len=seq_len)
-    flavor = LLAMA3_FLAVORS[m.flavor]
-    overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
-    args = dataclasses.replace(flavor, **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len})
-    check_heads(args, m.flavor)
-    if stored is not None:
-        diff = first_difference(stored, args)
-        if diff is not None:
-            field, there, here = diff
-            raise ConfigError(
-                f"checkpoint.initial_load_path {source} holds another model than model.flavor {m.flavor}: {field} is "
-                f"{there!r} there but {here!r} here; set model.flavor from_checkpoint to train the stored shape"
-            )
-    return args
-
-
-def check_heads(args: ModelArgs, flavor: str) -> None:
-    """model.dim / n_heads / n_kv_heads (the flavor's where not overridden) must split into whole heads of even
-    size (RoPE rotates pairs) and whole query groups."""
-    kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
-    shape = f"model.dim {args.dim}, model.n_heads {args.n_heads}, model.n_kv_heads {kv} (flavor {flavor} + overrides)"
-    if args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
-        raise ConfigError(f"{shape}: n_heads must divide dim into heads of even size (RoPE rotates pairs)")
-    if args.n_heads % kv:
-        raise ConfigError(f"{shape}: n_kv_heads must divide n_heads (each key/value head serves a whole group)")
-
-
-def build_model(
-    cfg: JobConfig,
-    parallel_dims: ParallelDims,
-    tokenizer_words: int,
-    float8: Float8Converter | None,
-    stored: ModelArgs | None = None,
-    source: str = "",
-) -> BuiltModel:
-    """Build the configured model on the meta device, convert to float8 (if a converter is given), parallelize.
-    `stored`, `source`: the shape stored with checkpoint.initial_load_path and its path (see model_args)."""
-    args = model_args(cfg.model, cfg.training.seq_len, tokenizer_words, stored, source)
+def build_model(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, float8: Float8Converter | None) -> BuiltModel:
+    """The model on the meta device, float8-converted (when a converter is given) and parallelized: the one
+    model-build path, shared by the Trainer and the dry run."""
     with torch.device("meta"):
         model = Transformer(args)
     if float8 is not None:
         float8.convert(model)
     linear_fqns = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     n_params, flops = num_params(model), flops_per_token(args, model, cfg.training.seq_len)
-    tp_plan = parallelize_llama(
-        model, parallel_dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8
-    )
+    tp_plan = parallelize_llama(model, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8)
     return BuiltModel(model, args, n_params, flops, linear_fqns, tp_plan)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the meta model's shards on `device` and initialise them; the model is left in training mode."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)  # type: ignore[operator]
+    model.train()
+
+
+def checkpointer(
+    cfg: JobConfig,
+    claim: FolderClaim | None,
+    source: InitialSource | None,
+    states: dict[str, Any],
+) -> CheckpointManager:
+    """The run's checkpoint manager over `states` (model, optimizer, LR schedule, data loader, train state)."""
+    folder = checkpoint_folder(cfg)
+    if source is not None and cfg.checkpoint.enable_checkpoint:
+        check_not_inside(source, folder)
+    return CheckpointManager(cfg.checkpoint, folder, states, claim=claim)
+
+
+def checkpoint_folder(cfg: JobConfig) -> str:
+    return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+
+
+def claim_checkpoint_folder(cfg: JobConfig) -> FolderClaim | None:
+    """With checkpoints on, the run's folder is locked now: a busy, read-only or non-directory folder fails at
+    start, not hours in."""
+    return FolderClaim(checkpoint_folder(cfg)) if cfg.checkpoint.enable_checkpoint else None
+
+
+def run_settings(cfg: JobConfig, args: ModelArgs, global_batch: int, loader: DataLoader) -> dict[str, Any]:
+    """What a resume is checked against (trainer/components/resume.py): shapes, batch, data, tokenizer."""
+    fingerprint = dataset_fingerprint(cfg.training, loader.windows.shard_files)
+    return training_settings(cfg, args, global_batch, fingerprint, file_sha256(cfg.model.tokenizer_path))

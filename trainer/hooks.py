@@ -11,26 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from float8.checks import Float8UsageProbe
-from float8.converter import switch_to_high_precision
-from float8.numerics import NumericsObservatory, iter_operand_values
-from float8.plots import write_heatmap
+from float8.converter import PrecisionSchedule
+from float8.numerics import NumericsObservatory
+from float8.numerics_report import NumericsReport
+from kiln_base.config import Float8, JobConfig, Profiling
+from kiln_base.errors import TrainingStopped
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.dist import set_collective_timeout
 from trainer.components.metrics import MetricsLogger
-from trainer.components.preemption import StopOnSignal, TrainingStopped
-from trainer.config import Float8, Profiling
+from trainer.components.preemption import StopOnSignal
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
@@ -100,21 +99,14 @@ class ProfilingHook(StepHook):
 
 class NumericsHook(StepHook):
     """The float8 numerics observatory (float8/numerics.py) every `cfg.numerics_log_freq` steps: those steps run
-    eagerly with recording hooks; the others are untouched. Writes `<folder>/rank_<r>.jsonl` on every rank (operands
-    are this rank's shards), TensorBoard scalars and a worst-layers line on the logging rank, and warns once per
-    layer when an operand's SQNR or underflow crosses the alarm thresholds."""
+    eagerly with recording hooks; the others are untouched. What is written and said: float8/numerics_report.py."""
 
-    def __init__(
-        self, model: nn.Module, cfg: Float8, folder: str, rank: int, is_logging_rank: bool, writer: Any
-    ) -> None:
+    def __init__(self, model: nn.Module, cfg: Float8, report: NumericsReport) -> None:
         self.observatory = NumericsObservatory(model, cfg.recipe)
-        self.cfg, self.is_logging_rank, self.writer = cfg, is_logging_rank, writer
-        os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, f"rank_{rank}.jsonl")
-        self.alarmed: set[str] = set()
+        self.freq, self.report = cfg.numerics_log_freq, report
 
     def pre_step(self, step: int) -> None:
-        self.observatory.active = step % self.cfg.numerics_log_freq == 0
+        self.observatory.active = step % self.freq == 0
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
         # Compiled blocks would trace the hooks into a second graph; an eager step needs none and keeps them off
@@ -122,91 +114,13 @@ class NumericsHook(StepHook):
         return torch.compiler.set_stance("force_eager") if self.observatory.active else contextlib.nullcontext()
 
     def post_step(self, out: StepOutput) -> None:
-        if not self.observatory.active:
-            return
-        self.observatory.active = False
-        stats = self.observatory.collect()
-        with open(self.path, "a", encoding="utf-8") as f:
-            for layer, entry in stats.items():
-                f.write(json.dumps({"step": out.step, "layer": layer, **_json_safe(entry)}, allow_nan=False) + "\n")
-        if not self.is_logging_rank or not stats:
-            return
-        if self.writer is not None:
-            for layer, entry in stats.items():
-                for operand, values in entry.items():
-                    if isinstance(values, dict):
-                        for stat, v in values.items():
-                            if math.isfinite(v):
-                                self.writer.add_scalar(f"float8/{layer}/{operand}/{stat}", v, out.step)
-        logger.info(worst_layers_line(out.step, stats))
-        self._alarms(out.step, stats)
-
-    def _alarms(self, step: int, stats: dict[str, dict[str, Any]]) -> None:
-        low, high = self.cfg.numerics_alarm_sqnr_db, self.cfg.numerics_alarm_underflow
-        for layer, entry in stats.items():
-            for operand, values in entry.items():
-                if layer in self.alarmed or not isinstance(values, dict):
-                    continue
-                problems = []
-                if values["sqnr_db"] < low:
-                    problems.append(f"SQNR {values['sqnr_db']:.1f} dB (alarm below {low:g})")
-                if values["underflow"] > high:
-                    problems.append(
-                        f"{values['underflow']:.1%} of nonzero elements underflow to 0 (alarm above {high:.1%})"
-                    )
-                if problems:
-                    self.alarmed.add(layer)
-                    logger.warning(
-                        f"float8 numerics alarm: {layer} {operand} at step {step}: {', '.join(problems)}; "
-                        f"suggested fix: {suggested_fix(self.cfg.recipe, layer, operand)}"
-                    )
+        if self.observatory.active:
+            self.observatory.active = False
+            self.report.step(out.step, self.observatory.collect())
 
     def close(self) -> None:
-        """Remove the hooks; on the logging rank, draw the JSONL as a PNG heatmap when matplotlib is installed."""
         self.observatory.remove()
-        if not self.is_logging_rank or not os.path.exists(self.path):
-            return
-        try:
-            write_heatmap(self.path, self.path.replace(".jsonl", "_heatmap.png"))
-        except ImportError:
-            logger.info("float8 numerics: no heatmap PNG (matplotlib is not installed: pip install -e '.[plots]')")
-
-
-def _json_safe(value: Any) -> Any:
-    """Non-finite floats as null (an exact cast has SQNR inf), so the JSONL is standard JSON."""
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def suggested_fix(recipe: str, layer: str, operand: str) -> str:
-    """What to try for a float8 layer in numerical trouble, finest-grained first."""
-    fixes = []
-    if recipe == "tensorwise":
-        fixes.append("--float8.recipe_name rowwise (one scale per row, e4m3 gradients)")
-    if operand == "grad_output" and recipe in ("rowwise", "mxfp8_rceil"):
-        fixes.append(
-            f"--float8.recipe_name {'rowwise_with_gw_hp' if recipe == 'rowwise' else 'mxfp8_rceil_wgrad_with_hp'} "
-            "(weight gradients in high precision)"
-        )
-    fixes.append(f"keep it in high precision: --float8.filter_fqns {layer}")
-    return "; or ".join(fixes)
-
-
-def worst_layers_line(step: int, stats: dict[str, dict[str, Any]], n: int = 3) -> str:
-    """'float8 numerics step S: lowest SQNR ...; most underflow ...; saturation ...': the few worst of each."""
-    sqnr = sorted(iter_operand_values(stats, "sqnr_db"), key=lambda t: t[2])[:n]
-    under = sorted(iter_operand_values(stats, "underflow"), key=lambda t: -t[2])[:n]
-    sat = max((v for _, _, v in iter_operand_values(stats, "saturation")), default=0.0)
-    outs = [e["output_sqnr_db"] for e in stats.values() if "output_sqnr_db" in e]
-    return (
-        f"float8 numerics step {step} ({len(stats)} layers): lowest SQNR (dB) "
-        + ", ".join(f"{layer} {op} {v:.1f}" for layer, op, v in sqnr)
-        + "; most underflow "
-        + ", ".join(f"{layer} {op} {v:.2%}" for layer, op, v in under)
-        + f"; max saturation {sat:.2%}"
-        + (f"; output SQNR min {min(outs):.1f} dB" if outs else "")
-    )
+        self.report.close()
 
 
 class NonFiniteHook(StepHook):
@@ -229,10 +143,11 @@ class MetricsHook(StepHook):
         metrics: MetricsLogger,
         total_steps: int,
         global_mean: Callable[[torch.Tensor], float],
+        losses: list[float],
         force: Callable[[], bool] = lambda: False,
     ) -> None:
         self.metrics, self.total_steps, self.global_mean, self.force = metrics, total_steps, global_mean, force
-        self.losses: list[float] = []  # losses of logged steps, for tests and callers
+        self.losses = losses  # losses of logged steps, for tests and callers
 
     def post_step(self, out: StepOutput) -> None:
         if not (self.metrics.should_log(out.step) or out.last or self.force()):
@@ -252,17 +167,16 @@ class CheckpointHook(StepHook):
         self.checkpointer.maybe_save(out.step, last=out.last)
 
 
-def compiling_steps(start_step: int, compile: bool, eager_first_step: bool, numerics_freq: int) -> set[int]:
+def compiling_steps(start_step: int, compile: bool, numerics_freq: int) -> set[int]:
     """The steps that may compile or warm up for minutes, while other ranks wait in a collective.
 
-    Always the run's first step (warm-up; the compile too when nothing forces it eager). With compile, the first
-    compiled step: the one after, when the float8 check runs the first step eagerly, and never a float8 numerics
-    step (those run eagerly): the next one.
+    Always the run's first step (warm-up, and the compile). With compile, the first compiled step: never a float8
+    numerics step (those run eagerly), so after one of those the next.
     """
     steps = {start_step + 1}
     if not compile or numerics_freq == 1:  # numerics every step: nothing is ever compiled
         return steps
-    first = start_step + (2 if eager_first_step else 1)
+    first = start_step + 1
     if numerics_freq and first % numerics_freq == 0:
         first += 1
     return steps | {first}
@@ -318,27 +232,13 @@ class StopHook(StepHook):
 
 
 class Float8ScheduleHook(StepHook):
-    """float8.disable_after_step S: from step S + 1 on, every float8 Linear runs in high precision (the end of
-    training), by a switch of the modules' class that keeps parameters, FSDP and TP as they are.
+    """float8.disable_after_step: the switch to high precision before the step after it (float8/converter.py)."""
 
-    The switch depends only on the step, so a run resumed past S switches before its first step: the checkpoint
-    needs no extra state. Compiled blocks recompile once at the switch (dynamo guards on module classes)."""
-
-    def __init__(self, model: nn.Module, after_step: int, total_steps: int) -> None:
-        self.model, self.after, self.switched = model, after_step, False
-        if after_step < total_steps:
-            logger.info(
-                f"float8 policy: float8 Linears switch to high precision after step {after_step} of {total_steps}"
-            )
+    def __init__(self, schedule: PrecisionSchedule) -> None:
+        self.schedule = schedule
 
     def pre_step(self, step: int) -> None:
-        if not self.switched and step > self.after:
-            self.switched = True
-            names = switch_to_high_precision(self.model)
-            logger.info(
-                f"float8 policy: step {step}: {len(names)} float8 Linears now run in high precision "
-                f"(float8.disable_after_step {self.after})"
-            )
+        self.schedule.before_step(step)
 
 
 class Float8CheckHook(StepHook):
@@ -357,3 +257,51 @@ class Float8CheckHook(StepHook):
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe.verify()
+
+
+def build_hooks(
+    cfg: JobConfig,
+    model: nn.Module,
+    float8_on: bool,
+    fsdp_enabled: bool,
+    device: torch.device,
+    start_step: int,
+    metrics: MetricsLogger,
+    checkpointer: CheckpointManager,
+    nan_guard: NonFiniteGuard,
+    global_mean: Callable[[torch.Tensor], float],
+    losses: list[float],
+) -> list[StepHook]:
+    """The hooks phase of the build: the loop's non-training concerns, in the order they run. `losses` collects the
+    logged losses; `global_mean` averages a loss over the data-parallel ranks (a collective, log steps only)."""
+    rank = dist.get_rank()
+    f8, t = cfg.float8, cfg.training
+    stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
+    hooks: list[StepHook] = [
+        stop,
+        GCHook(t.gc_freq),
+        ProfilingHook(cfg.profiling, cfg.job.dump_folder, rank, device, start_step),
+    ]
+    after = f8.disable_after_step
+    if float8_on and after:
+        hooks.append(Float8ScheduleHook(PrecisionSchedule(model, after, t.steps)))
+    if float8_on and not (after and start_step >= after):  # resumed past the switch: nothing to check
+        hooks.append(Float8CheckHook(model, f8, fsdp_enabled))
+    if float8_on and f8.numerics_log_freq:
+        folder = os.path.join(cfg.job.dump_folder, "float8_numerics")
+        hooks.append(NumericsHook(model, f8, NumericsReport(f8, folder, rank, metrics.is_logging_rank, metrics.writer)))
+
+    def must_check(out: StepOutput) -> bool:
+        return stop.stopping or metrics.should_log(out.step) or checkpointer.due(out.step, out.last)
+
+    long_steps = compiling_steps(start_step, t.compile, f8.numerics_log_freq)
+    if t.compile and float8_on and after:
+        long_steps.add(max(after, start_step) + 1)  # the blocks recompile at the switch
+    return [
+        *hooks,
+        NonFiniteHook(nan_guard, must_check, checkpointer.folder),  # before metrics and saves
+        MetricsHook(metrics, t.steps, global_mean, losses, force=lambda: stop.stopping),
+        CheckpointHook(checkpointer),
+        CollectiveTimeoutHook(long_steps, cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds),
+        StopHook(stop, checkpointer, t.steps),  # last: saves and raises TrainingStopped
+    ]

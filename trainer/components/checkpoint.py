@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -40,6 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from kiln_base.config import Checkpoint
+from kiln_base.errors import CheckpointError
+from kiln_base.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
 from trainer.components.checkpoint_folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
@@ -52,9 +54,6 @@ from trainer.components.checkpoint_folder import (
     scan,
 )
 from trainer.components.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, load_metadata
-from trainer.config import Checkpoint
-from trainer.errors import CheckpointError
-from trainer.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -62,7 +61,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kiln")
 
 MODEL, OPTIMIZER, DATALOADER, TRAIN_STATE = "model", "optimizer", "dataloader", "train_state"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by FQN: layout-independent
 
 
@@ -72,14 +70,7 @@ def step_dir(folder: str, step: int) -> str:
 
 def complete_steps(folder: str) -> list[int]:
     """Steps of the `step-N` folders with a `.metadata` under `folder`, oldest first (no exports, no `.tmp`)."""
-    if not os.path.isdir(folder):
-        return []
-    steps = []
-    for name in os.listdir(folder):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return [e.step for e in scan(folder) if not e.export and not e.tmp and e.has_metadata]
 
 
 def resolve_step_dir(path: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.errors import CheckpointError
+from kiln_base.errors import CheckpointError
 
 logger = logging.getLogger("kiln")
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from trainer.errors import CheckpointError
+from kiln_base.errors import CheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # Every global a `.metadata` of a kiln checkpoint holds (weights-only and full saves, 1 and 2 ranks, FSDP),

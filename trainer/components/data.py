@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kiln_base.config import Training
+from kiln_base.errors import CheckpointError, DataError
 from trainer.components.data_sources import (
     DATASETS,
     HFStream,
@@ -34,8 +36,6 @@ from trainer.components.data_sources import (
     record_problem,
 )
 from trainer.components.tokenizer import Tokenizer
-from trainer.config import Training
-from trainer.errors import CheckpointError, DataError
 
 logger = logging.getLogger("kiln")
 

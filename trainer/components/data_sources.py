@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import ConfigError, Training
-from trainer.errors import DataError
+from kiln_base.config import Training
+from kiln_base.errors import ConfigError, DataError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

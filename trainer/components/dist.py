@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.internals import all_process_groups, set_pg_timeout
+from kiln_base.internals import all_process_groups, set_pg_timeout
 
 
 def _free_port() -> int:
@@ -61,11 +61,6 @@ def set_determinism(seed: int | None, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
-
-
-# A failed collective ends the run with this status (EX_TEMPFAIL, "try again"): the job lost a rank or a node, and
-# torchrun restarts it when its restart budget allows (launch.py, MAX_RESTARTS).
-PEER_LOST_EXIT_CODE = 75
 
 
 class PeerWatch:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from kiln_base.errors import ConfigError
 from models.args import ModelArgs, ffn_hidden_dim
 from trainer.components.tokenizer import PAT_STR, Tokenizer
-from trainer.errors import ConfigError
 
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default is 5 GB shards

@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kiln_base.errors import CheckpointError, ConfigError
 from models.args import ModelArgs
 from trainer.components.checkpoint import MARKER, read_metadata, resolve_step_dir
 from trainer.components.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
-from trainer.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("kiln")
 KEY = "checkpoint.initial_load_path"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import Metrics
+from kiln_base.config import Metrics
 
 logger = logging.getLogger("kiln")
 

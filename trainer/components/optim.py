@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer.config import LRScheduler, Optimizer
+from kiln_base.config import LRScheduler, Optimizer
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: Optimizer) -> torch.optim.Optimizer:

@@ -2,10 +2,10 @@
 
 The handler only records the signal; the step in flight finishes. After every step all ranks agree whether
 any of them got it (one all-reduce of a CPU int, on gloo: no device sync, no GPU stream wait), so they stop at
-the same step, save a full checkpoint of it and end with TrainingStopped: exit status 143 (128 + SIGTERM, the
-status of a process killed by SIGTERM), so a scheduler that restarts failed jobs restarts this one, and the
-restart resumes at the next step. Ctrl-C (SIGINT) keeps Python's KeyboardInterrupt: the entry point stops at
-once, without saving, with one line and status 130.
+the same step, save a full checkpoint of it and end with TrainingStopped (kiln_base/errors.py): exit status 143
+(128 + SIGTERM, the status of a process killed by SIGTERM), so a scheduler that restarts failed jobs restarts
+this one, and the restart resumes at the next step. Ctrl-C (SIGINT) keeps Python's KeyboardInterrupt: the entry
+point stops at once, without saving, with one line and status 130.
 """
 
 from __future__ import annotations
@@ -17,17 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)  # 143
-INTERRUPTED_EXIT_CODE = 128 + int(signal.SIGINT)  # 130
-
-
-class TrainingStopped(Exception):
-    """Training stopped early on request (SIGTERM) after saving; the entry point prints it and exits `exit_code`."""
-
-    def __init__(self, message: str, exit_code: int = PREEMPTED_EXIT_CODE) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class StopOnSignal:

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from kiln_base.config import JobConfig
+from kiln_base.errors import CheckpointError
+from kiln_base.internals import set_scheduler_last_lr
 from models import ModelArgs
-from trainer.config import JobConfig
-from trainer.errors import CheckpointError
-from trainer.internals import set_scheduler_last_lr
 
 # Keys whose change makes the checkpoint meaningless for this run, with the reason given to the user.
 REFUSED = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from trainer.errors import ConfigError
+from kiln_base.errors import ConfigError
 
 # tiktoken's Rust encoder can overflow its stack on huge inputs; Llama3 splits before encoding.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000

@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import build_float8_converter, is_float8_linear
+from kiln_base.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, resolve_mixed_precision
+from kiln_base.internals import init_fake_process_group, unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
-from trainer.build import build_model
+from trainer.build import build_model, model_args
 from trainer.components.initial_load import open_source
-from trainer.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, resolve_mixed_precision
-from trainer.internals import init_fake_process_group, unwrapped_fqn
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
 
@@ -152,7 +152,7 @@ def dry_run(cfg: JobConfig) -> str:
         converter = build_float8_converter(f8, p.tensor_parallel_degree)
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
-        built = build_model(cfg, dims, vocab, converter, source.args if source else None, path or "")
+        built = build_model(cfg, model_args(cfg.model, t.seq_len, vocab, source), dims, converter)
         model, args, plan = built.model, built.args, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
         n_params, flops = built.n_params, built.flops_per_token

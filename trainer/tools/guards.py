@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-class NonFiniteError(RuntimeError):
-    """Training produced a NaN or inf loss or gradient norm; the run stops (exit 1)."""
+from kiln_base.errors import NonFiniteError
 
 
 def last_checkpoint(folder: str) -> str:

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-from trainer.config import Profiling
-from trainer.internals import cuda_memory_snapshot, start_cuda_memory_history, stop_cuda_memory_history
+from kiln_base.config import Profiling
+from kiln_base.internals import cuda_memory_snapshot, start_cuda_memory_history, stop_cuda_memory_history
 
 logger = logging.getLogger("kiln")
 

@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from trainer.internals import (
+from kiln_base.internals import (
     OpOverload,
     TorchDispatchMode,
     capture_sac_caches,

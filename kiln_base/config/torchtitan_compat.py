@@ -15,8 +15,8 @@ torchtitan's default value of a key is always accepted: a file that spells out e
 `--job.save_config_file` writes one) must run. Names neither kiln nor torchtitan has stay errors, with the
 closest name of either as a suggestion.
 
-`resolve` rewrites the TOML table and the command-line items into kiln's own names before trainer.config
-applies them. docs/migrating-from-torchtitan.md's key table is generated from ROWS
+`resolve` rewrites the TOML table and the command-line items into kiln's own names before the parser
+(parse.py) applies them. docs/migrating-from-torchtitan.md's key table is generated from ROWS
 (`python scripts/torchtitan_keys_doc.py`) and tests/test_torchtitan_compat.py keeps the two equal, and ROWS
 equal to the keys of torchtitan's JobConfig (tests/fixtures/torchtitan/job_config_keys.json).
 
@@ -24,18 +24,19 @@ kiln's own renamed keys (RENAMED: `float8.sqnr_log_freq` -> `float8.numerics_log
 rename rows and `resolve`, apart from ROWS: read as the new key with one warning naming both; the two names
 given with different values in one source (the file, or the command line) are a ConfigError.
 
-Standard library only, below trainer.config in the import layers.
+Standard library only; the parser calls it, and it imports the schema and the value converter.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from trainer.errors import ConfigError
+from kiln_base.config.schema import JobConfig
+from kiln_base.config.values import check_choice, convert, suggest
+from kiln_base.errors import ConfigError
 
 __all__ = ["ROWS", "ROWS_LIST", "Key", "resolve", "markdown_table"]
 
@@ -44,8 +45,6 @@ logger = logging.getLogger("kiln")
 ALL = ("v0.1.0", "v0.2.0", "v0.2.1", "v0.2.2")
 V010, V020, V02, V021, V022 = ALL[:1], ALL[1:2], ALL[1:], ALL[2:], ALL[3:]
 V010_020 = ALL[:2]
-
-Convert = Callable[[Any, Any, str], Any]  # trainer.config's strict converter: (raw value, type, where) -> value
 
 
 class Refused(Exception):
@@ -685,20 +684,15 @@ DEPRECATED: dict[str, Key] = {old: rename(old, (), tp, new) for old, (new, tp) i
 # ----------------------------------------------------------------------------- resolution
 
 
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
-
-
 def _unknown(name: str, where: str, kiln: list[str]) -> ConfigError:
     """An unknown name, with the closest kiln or torchtitan name (kiln's first when both are as close)."""
     known = list(dict.fromkeys([*kiln, *ROWS]))
     sections = list(dict.fromkeys(k.split(".")[0] for k in known))
     section = name.split(".")[0]
     if section not in sections:
-        return ConfigError(f"{where}: unknown section '{section}'{_suggest(section, sections)}")
+        return ConfigError(f"{where}: unknown section '{section}'{suggest(section, sections)}")
     in_section = [k for k in known if k.split(".")[0] == section]
-    return ConfigError(f"{where}: unknown key '{name}'{_suggest(name, in_section)}")
+    return ConfigError(f"{where}: unknown key '{name}'{suggest(name, in_section)}")
 
 
 def _flatten(values: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
@@ -720,14 +714,13 @@ def _negated(name: str) -> str | None:
     return None
 
 
-def _translate(row: Key, raw: Any, where: str, convert: Convert) -> tuple[dict[str, Any], str | None]:
+def _translate(row: Key, raw: Any, where: str) -> tuple[dict[str, Any], str | None]:
     """kiln assignments for a torchtitan key's raw value, and the line to log (None: nothing to say)."""
     action = row.action
     if isinstance(action, Ignore) and action.accept is None:
         return {}, f"{row.name} = {show(raw)} ignored: {action.why}"
     value = convert(raw, row.type, where)
-    if row.choices and value is not None and value not in row.choices:
-        raise ConfigError(f"{where}: '{value}' is not a valid choice; choose from {', '.join(row.choices)}")
+    check_choice(value, row.choices, where)
     if isinstance(action, Ignore):
         if action.accept is not None and not action.accept(value):
             raise ConfigError(f"{where} = {show(value)}: {action.offer}")
@@ -745,16 +738,16 @@ def _translate(row: Key, raw: Any, where: str, convert: Convert) -> tuple[dict[s
 
 
 def resolve(
-    cfg: Any, toml: dict[str, Any], cli: list[tuple[str, str, Any]], source: str | None, convert: Convert
+    toml: dict[str, Any], cli: list[tuple[str, str, Any]], source: str | None
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, Any]]]:
     """Rewrite a TOML table and CLI (section, key, raw) items into kiln's names only.
 
-    `cfg` (a JobConfig) gives kiln's names; kiln keys pass through untouched (a bare CLI flag stays bare for
-    trainer.config to resolve), torchtitan keys are translated by their ROWS entry and each translation is
+    kiln keys pass through untouched (a bare CLI flag stays bare for
+    the parser to resolve), torchtitan keys are translated by their ROWS entry and each translation is
     logged once (the last value of a key wins, as it does in the config). Raises ConfigError for a refused
     value and for a name neither kiln nor torchtitan has.
     """
-    kiln = [f"{s.name}.{f.name}" for s in fields(cfg) for f in fields(getattr(cfg, s.name))]
+    kiln = [f"{s.name}.{f.name}" for s in fields(JobConfig) for f in fields(s.default_factory)]  # type: ignore[arg-type]
     kiln_set = set(kiln)
     notes: dict[str, str] = {}
     warnings: dict[str, str] = {}
@@ -769,7 +762,7 @@ def resolve(
                 if name == new:
                     spelled[name] = (convert(raw, tp, where), where)
             return {name: raw}
-        assigned, note = _translate(row, raw, where, convert)
+        assigned, note = _translate(row, raw, where)
         if name in DEPRECATED:
             ((new, value),) = assigned.items()
             spelled[name] = (value, where)
@@ -796,7 +789,7 @@ def resolve(
     out_toml: dict[str, Any] = {}
     for section, values in toml.items():
         if not isinstance(values, dict):
-            out_toml[section] = values  # not a [section] table: trainer.config reports it
+            out_toml[section] = values  # not a [section] table: the parser reports it
             continue
         for name, raw in _flatten(values, f"{section}."):
             for target, value in apply(name, raw, f"{source}: {name}").items():
@@ -811,7 +804,7 @@ def resolve(
         if raw is None:  # a bare flag: --s.k (true) or --s.no-k (false)
             plain = _negated(name)
             if name in kiln_set or plain in kiln_set:
-                out_cli.append((section, key, None))  # trainer.config resolves kiln's own bare flags
+                out_cli.append((section, key, None))  # the parser resolves kiln's own bare flags
                 continue
             row = ROWS.get(name) or ROWS.get(plain or "") or DEPRECATED.get(name) or DEPRECATED.get(plain or "")
             if row is None:

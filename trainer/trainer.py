@@ -1,7 +1,5 @@
-"""The Trainer: builds everything from the config, then runs train_step until training.steps.
-
-Build order (DESIGN.md): model on meta -> float8 conversion -> parallelize (TP, AC, compile, FSDP) ->
-materialise on the device + init_weights -> optimizer/LR -> checkpoint load -> train loop.
+"""The Trainer: builds everything from the config (trainer/build.py's phases), then runs train_step until
+training.steps, with the loop's other concerns as hooks (trainer/hooks.py).
 """
 
 from __future__ import annotations
@@ -11,44 +9,26 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from float8.converter import build_float8_converter
-from float8.validation import check_cpu_float8
-from parallelisms.parallel_dims import ParallelDims, validate_parallelism
+from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
 from parallelisms.parallelize import loss_parallel_enabled
-from trainer.build import base_args, build_model
-from trainer.components.checkpoint import CheckpointManager, step_dir
+from trainer import build
+from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
-from trainer.components.data import build_dataloader, dataset_fingerprint
-from trainer.components.dist import PeerWatch, init_distributed, set_determinism
-from trainer.components.initial_load import check_not_inside, load_initial, open_source
+from trainer.components.dist import PeerWatch, set_determinism
+from trainer.components.initial_load import load_initial, open_source
 from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
-from trainer.components.resume import apply_config_hyperparameters, check_resume, file_sha256, training_settings
+from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.tokenizer import load_tokenizer
-from trainer.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
-from trainer.hooks import (
-    CheckpointHook,
-    CollectiveTimeoutHook,
-    Float8CheckHook,
-    Float8ScheduleHook,
-    GCHook,
-    MetricsHook,
-    NonFiniteHook,
-    NumericsHook,
-    ProfilingHook,
-    StepHook,
-    StepOutput,
-    StopHook,
-    StopRequestHook,
-    compiling_steps,
-)
+from trainer.hooks import StepHook, StepOutput, build_hooks
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
@@ -79,61 +59,27 @@ class Trainer:
             raise
 
     def _build(self, cfg: JobConfig) -> None:
+        """The phases of trainer/build.py, in order."""
         t = cfg.training
-        # float8's environment checks (torchao version, GPU capability) fail fast, before any process group.
-        self.float8 = build_float8_converter(cfg.float8, cfg.parallelism.tensor_parallel_degree)
-        self.device = init_distributed(cfg.comm.init_timeout_seconds)
-        self.peers = PeerWatch.maybe_start()  # names the lost ranks when a collective fails (train.py)
-        if self.device.type == "cpu":
-            check_cpu_float8(cfg.float8)
-        checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-        if cfg.checkpoint.enable_checkpoint:  # a busy, read-only or non-directory folder fails now, not hours in
-            self.checkpoint_claim = FolderClaim(checkpoint_folder)
-        # checkpoint.initial_load_path: its stored shape is read now (and checked against the flavor at build).
+        self.float8 = build.float8_converter(cfg.float8, cfg.parallelism.tensor_parallel_degree)
+        self.device, self.peers = build.process_group(cfg)
+        self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
-        if source is not None and cfg.checkpoint.enable_checkpoint:
-            check_not_inside(source, checkpoint_folder)
-        p = cfg.parallelism
-        self.parallel_dims = ParallelDims(
-            p.data_parallel_replicate_degree,
-            p.data_parallel_shard_degree,
-            p.tensor_parallel_degree,
-            dist.get_world_size(),
-        )
-        validate_parallelism(
-            self.parallel_dims,
-            base_args(cfg.model, source.args if source else None),
-            t,
-            p,
-            self.device.type,
-            cfg.activation_checkpoint,
-        )
-        self.parallel_dims.build_mesh(self.device.type)
-        dp_degree, dp_rank = self.parallel_dims.dp_degree, self.parallel_dims.dp_mesh.get_local_rank()
-        self.grad_accum_steps = self._grad_accum_steps(dp_degree)
-        set_determinism(t.seed, t.deterministic)
-
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        self.dataloader = build_dataloader(t, self.tokenizer, dp_rank, dp_degree, pin_memory=self.device.type == "cuda")
+        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source)
+        self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
+        dp_degree = self.parallel_dims.dp_degree
+        self.grad_accum_steps = grad_accum_steps(t, dp_degree)
+        set_determinism(t.seed, t.deterministic)
+        self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device)
 
-        built = build_model(
-            cfg,
-            self.parallel_dims,
-            self.tokenizer.n_words,
-            self.float8,
-            source.args if source else None,
-            source.path if source else "",
-        )
-        model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
+        built = build.build_model(cfg, args, self.parallel_dims, self.float8)
+        self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
         logger.info(
-            f"Model llama3 {cfg.model.flavor}: {built.args.n_layers} layers, {built.n_params:,} params, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {built.args.vocab_size}"
+            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
+            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
         )
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device)
-        model.train()
-        self.model = model
+        build.materialize(self.model, self.device)
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
@@ -142,35 +88,25 @@ class Trainer:
             if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"
             else contextlib.nullcontext()
         )
-        self.loss_parallel = loss_parallel_enabled(self.parallel_dims, p)  # logits stay vocab-sharded under TP
+        self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
 
-        self.optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
+        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
         global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
-        self.settings = training_settings(
-            cfg,
-            built.args,
-            global_batch,
-            dataset_fingerprint(t, self.dataloader.windows.shard_files),
-            file_sha256(cfg.model.tokenizer_path),
-        )
-        self.checkpointer = CheckpointManager(
-            cfg.checkpoint,
-            checkpoint_folder,
-            {
-                "model": model,
-                "optimizer": self.optimizer,
-                "lr_scheduler": self.lr_scheduler,
-                "dataloader": self.dataloader,
-                "train_state": self,
-            },
-            claim=self.checkpoint_claim,
-        )
+        self.settings = build.run_settings(cfg, args, global_batch, self.dataloader)
+        states = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": self.dataloader,
+            "train_state": self,
+        }
+        self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states)
         self.step = self.checkpointer.load(last_step=t.steps)  # a full checkpoint also checks self.settings
         if source is not None and self.checkpointer.loaded is None:  # nothing of this run's to resume
-            load_initial(source, model)
+            load_initial(source, self.model)
         elif self.checkpointer.loaded is None:
             logger.info("Training from scratch (freshly initialised weights)")
         if self.step > 0:
@@ -185,9 +121,6 @@ class Trainer:
             cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
-
-    def _grad_accum_steps(self, dp_degree: int) -> int:
-        return grad_accum_steps(self.cfg.training, dp_degree)
 
     # train_state for checkpoints: the step counter, and the settings a resume is checked against (JSON text).
     def state_dict(self) -> dict[str, int | str]:
@@ -264,45 +197,23 @@ class Trainer:
         return loss.item()
 
     def build_hooks(self) -> list[StepHook]:
-        """The loop's non-training concerns, in the order they run (see trainer/hooks.py)."""
-        cfg, rank = self.cfg, dist.get_rank()
-        hooks: list[StepHook] = [
-            GCHook(cfg.training.gc_freq),
-            ProfilingHook(cfg.profiling, cfg.job.dump_folder, rank, self.device, self.step),
-        ]
-        after = cfg.float8.disable_after_step
-        if self.float8 is not None and after:
-            hooks.append(Float8ScheduleHook(self.model, after, cfg.training.steps))
-        if self.float8 is not None and not (after and self.step >= after):  # resumed past the switch: nothing to check
-            hooks.append(Float8CheckHook(self.model, cfg.float8, self.parallel_dims.fsdp_enabled))
-        if self.float8 is not None and cfg.float8.numerics_log_freq:
-            folder = os.path.join(cfg.job.dump_folder, "float8_numerics")
-            hooks.append(NumericsHook(self.model, cfg.float8, folder, rank, self.is_logging_rank, self.metrics.writer))
-        stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
+        """The hooks phase (trainer/hooks.py), for a loop starting after self.step."""
+        return build_hooks(
+            self.cfg,
+            self.model,
+            self.float8 is not None,
+            self.parallel_dims.fsdp_enabled,
+            self.device,
+            self.step,
+            self.metrics,
+            self.checkpointer,
+            self.nan_guard,
+            self._global_mean_loss,
+            self.losses,
+        )
 
-        def must_check(out: StepOutput) -> bool:
-            return stop.stopping or self.metrics.should_log(out.step) or self.checkpointer.due(out.step, out.last)
-
-        metrics = MetricsHook(self.metrics, cfg.training.steps, self._global_mean_loss, force=lambda: stop.stopping)
-        metrics.losses = self.losses
-        hooks.insert(0, stop)
-        long_steps = compiling_steps(self.step, cfg.training.compile, False, cfg.float8.numerics_log_freq)
-        if cfg.training.compile and after:
-            long_steps.add(max(after, self.step) + 1)  # the blocks recompile at the switch
-        hooks += [
-            NonFiniteHook(self.nan_guard, must_check, self.checkpointer.folder),  # before metrics and saves
-            metrics,
-            CheckpointHook(self.checkpointer),
-            CollectiveTimeoutHook(
-                long_steps,
-                cfg.comm.init_timeout_seconds,
-                cfg.comm.train_timeout_seconds,
-            ),
-            StopHook(stop, self.checkpointer, cfg.training.steps),  # last: saves and raises TrainingStopped
-        ]
-        return hooks
-
-    def train(self) -> None:
+    def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:
+        """Train to training.steps; `extra_hooks` (benchmarks' timers) run after kiln's own."""
         t = self.cfg.training
         if self.cfg.profiling.saved_activations_report:
             self.report_saved_activations()
@@ -311,7 +222,7 @@ class Trainer:
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "
             f"grad accumulation {self.grad_accum_steps}, world {dist.get_world_size()}"
         )
-        hooks = self.build_hooks()
+        hooks = [*self.build_hooks(), *extra_hooks]
         try:
             while self.step < t.steps:
                 self.step += 1

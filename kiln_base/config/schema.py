@@ -1,0 +1,367 @@
+"""kiln's configuration schema: one dataclass per TOML section, each field with its help, choices and range.
+
+Section and key names follow torchtitan so its users' TOML files read the same. The parser (parse.py) fills these
+from defaults < TOML file < command line; the checks (checks.py) hold every rule between values. Standard library
+only, so config handling stays instant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: lo <= v <= hi (strict where `lo_open`/`hi_open`), or one of `also`
+    (a sentinel such as -1 = automatic). Floats must be finite as well; ints must fit in int64 unless `hi` says
+    otherwise (they end up in tensors and C++ APIs)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    also: tuple[int, ...] = ()
+    note: str = ""  # what the sentinel or bound means, appended to the description
+
+    def contains(self, v: float) -> bool:
+        if v in self.also and not isinstance(v, float):
+            return True
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        hi = self.hi if self.hi is not None else (INT64_MAX if isinstance(v, int) else None)
+        return hi is None or (v < hi if self.hi_open else v <= hi)
+
+    def describe(self, value: float | None = None) -> str:
+        """'in [0, 1)', '>= 1', '-1 or >= 1 (note)'; an int past int64 is told about the implicit bound."""
+        hi_bound = self.hi
+        if hi_bound is None and isinstance(value, int) and value > INT64_MAX:
+            hi_bound = INT64_MAX
+        lo, hi = _num(self.lo), _num(hi_bound)
+        if self.lo is not None and hi_bound is not None:
+            text = f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {lo}"
+        elif hi_bound is not None:
+            text = f"{'<' if self.hi_open else '<='} {hi}"
+        else:
+            text = "a finite number"
+        if isinstance(value, float) and (self.lo is None) != (hi_bound is None):  # one-sided: say inf is out
+            text = f"a finite number {text}"
+        if self.also:
+            text = " or ".join(str(a) for a in self.also) + " or " + text
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else str(x) if isinstance(x, int) else f"{x:g}"
+
+
+AT_LEAST_1 = Range(lo=1)  # counts, sizes, frequencies
+AT_LEAST_0 = Range(lo=0)
+POSITIVE = Range(lo=0, lo_open=True)  # floats: > 0 and finite
+FRACTION = Range(lo=0, hi=1)
+TIMEOUT = Range(lo=1, hi=10**9, note="seconds")  # 10**9 s (31 years): far inside timedelta's and c10d's limits
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, valid: Range | None = None) -> Any:
+    """A dataclass field carrying its help text, allowed values (`choices`) or numeric range (`valid`)."""
+    meta = {"help": help, "choices": choices, "valid": valid}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("bfloat16", "float32")
+
+# bf16 autocast against float32 on CPUs, debug model (docs/config.md, "Mixed precision"): no CPU measured so far
+# runs bf16 faster.
+CPU_BF16_COST = "bf16 ran at 0.06x float32's speed on an AVX2 CPU and 0.57x on an AVX512-BF16 CPU without AMX"
+
+
+def resolve_mixed_precision(param: str, device_type: str) -> str:
+    """The compute dtype name for training.mixed_precision_param on this device type.
+
+    `auto` is whichever measured faster: bfloat16 on CUDA (tensor cores), float32 on a CPU (see
+    CPU_BF16_COST); an explicit dtype is honoured everywhere. The Trainer (autocast), FSDP's
+    MixedPrecisionPolicy and the dry run all call this, so `auto` means the same thing in each.
+    """
+    if param != "auto":
+        return param
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+FROM_CHECKPOINT = "from_checkpoint"  # model.flavor: build the shape stored with checkpoint.initial_load_path
+
+
+@dataclass
+class Job:
+    config_file: str | None = _f(None, "TOML file to read; CLI flags override its values.")
+    dump_folder: str = _f("./outputs", "Folder for checkpoints, traces and TensorBoard logs.")
+    description: str = _f("kiln job", "Free-text description printed at start-up.")
+    print_config: bool = _f(False, "Print the merged configuration as TOML and exit.")
+    dry_run: bool = _f(False, "Build on the meta device, print the plan (params, FLOPs, mesh, float8) and exit.")
+
+
+@dataclass
+class Model:
+    name: str = _f("llama3", "Model family.", ("llama3",))
+    flavor: str = _f(
+        "debugmodel",
+        "Model shape: Llama 3 (8B, 70B, 405B), 3.1 (llama3 rope scaling, 131072 context), 3.2 (tied embeddings), or "
+        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json).",
+        (
+            "debugmodel",
+            "8B",
+            "70B",
+            "405B",
+            "3.1-8B",
+            "3.1-70B",
+            "3.1-405B",
+            "3.2-1B",
+            "3.2-3B",
+            FROM_CHECKPOINT,
+        ),
+    )
+    tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
+    n_layers: int | None = _f(
+        None, "Override the flavor's layer count (benchmarks: 8B widths, fewer layers).", valid=AT_LEAST_1
+    )
+    vocab_size: int | None = _f(
+        None, "Pad the vocabulary to this size (>= the tokenizer's); unset = the tokenizer's size.", valid=AT_LEAST_1
+    )
+    dim: int | None = _f(None, "Override the flavor's model width (benchmarks, numerics studies).", valid=AT_LEAST_1)
+    n_heads: int | None = _f(None, "Override the flavor's attention heads (must divide model.dim).", valid=AT_LEAST_1)
+    n_kv_heads: int | None = _f(
+        None, "Override the flavor's key/value heads (grouped-query attention; must divide n_heads).", valid=AT_LEAST_1
+    )
+    ffn_dim_multiplier: float | None = _f(
+        None, "Override the flavor's FFN multiplier: hidden = multiplier x 8/3 dim, rounded up.", valid=POSITIVE
+    )
+    multiple_of: int | None = _f(
+        None, "Override the flavor's FFN rounding: the hidden size is a multiple of this.", valid=AT_LEAST_1
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("AdamW", "Optimizer.", ("AdamW", "Adam"))
+    lr: float = _f(8e-4, "Peak learning rate.", valid=POSITIVE)
+    beta1: float = _f(0.9, "Adam beta1.", valid=Range(lo=0, hi=1, hi_open=True))
+    beta2: float = _f(0.95, "Adam beta2.", valid=Range(lo=0, hi=1, hi_open=True))
+    eps: float = _f(1e-8, "Adam epsilon.", valid=POSITIVE)
+    weight_decay: float = _f(0.1, "Decoupled weight decay.", valid=AT_LEAST_0)
+    implementation: str = _f(
+        "fused",
+        "Kernel: fused (one kernel, CUDA/CPU), foreach (batched), for-loop.",
+        ("fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.", valid=AT_LEAST_0)
+    decay_ratio: float | None = _f(
+        None,
+        "Fraction of steps spent decaying at the end (WSD); unset decays over all post-warmup steps.",
+        valid=FRACTION,
+    )
+    decay_type: str = _f("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
+    min_lr_factor: float = _f(0.0, "Final learning rate as a fraction of optimizer.lr.", valid=FRACTION)
+
+
+@dataclass
+class Training:
+    dataset: str = _f("kiln_corpus", "Registered dataset name (kiln_corpus, c4).")
+    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides the registry path.")
+    local_batch_size: int = _f(8, "Sequences per device per micro-batch.", valid=AT_LEAST_1)
+    global_batch_size: int = _f(
+        -1,
+        "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
+        "A multiple of that product gives gradient accumulation.",
+        valid=Range(lo=1, also=(-1,), note="-1 = local_batch_size x data-parallel degree"),
+    )
+    seq_len: int = _f(2048, "Tokens per sequence.", valid=AT_LEAST_1)
+    data_prefetch: int = _f(
+        2, "Batches a background thread prepares ahead of the step (0 = load in the step).", valid=AT_LEAST_0
+    )
+    steps: int = _f(10000, "Optimizer steps to train.", valid=AT_LEAST_1)
+    max_norm: float = _f(
+        1.0,
+        "Gradient-norm clipping threshold (<= 0 disables clipping).",
+        valid=Range(note="<= 0 disables clipping"),
+    )
+    mixed_precision_param: str = _f(
+        "auto",
+        "Compute dtype of parameters in forward/backward (FSDP param_dtype, autocast otherwise); "
+        "master weights and optimizer state stay float32. auto = bfloat16 on CUDA, float32 on CPU "
+        "(measured faster there; docs/config.md).",
+        ("auto", *DTYPES),
+    )
+    mixed_precision_reduce: str = _f("float32", "Gradient reduction dtype under FSDP.", DTYPES)
+    compile: bool = _f(False, "torch.compile each transformer block.")
+    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (automatic GC is disabled).", valid=AT_LEAST_1)
+    seed: int | None = _f(
+        None, "Random seed; same seed, same init.", valid=Range(lo=0, hi=2**64 - 1, note="torch.manual_seed's range")
+    )
+    deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _f(1, "DDP/HSDP replicas (across nodes).", valid=AT_LEAST_1)
+    data_parallel_shard_degree: int = _f(
+        -1,
+        "FSDP shards; -1 = what remains of the world size.",
+        valid=Range(lo=1, also=(-1,), note="-1 = the rest of the world size"),
+    )
+    fsdp_reshard_after_forward: str = _f(
+        "default",
+        "Free unsharded params after forward: default (yes, except the root), always, never.",
+        ("default", "always", "never"),
+    )
+    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree (within a node).", valid=AT_LEAST_1)
+    disable_loss_parallel: bool = _f(False, "Gather logits before the loss instead of a vocab-parallel loss.")
+    enable_async_tensor_parallel: bool = _f(False, "Async TP (CUDA + compile only).")
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = _f(False, "Save and resume DCP checkpoints.")
+    folder: str = _f("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    interval: int = _f(500, "Save every N steps (and at the last step).", valid=AT_LEAST_1)
+    keep_latest_k: int = _f(
+        0,
+        "Keep only the newest K checkpoints (0 = keep all; never deletes the only good one).",
+        valid=Range(lo=0, note="0 = keep all"),
+    )
+    async_mode: str = _f("disabled", "Save in the background.", ("disabled", "async", "async_with_pinned_mem"))
+    initial_load_path: str | None = _f(
+        None,
+        "Start from these weights when the checkpoint folder has nothing to resume: a Hugging Face Llama folder "
+        "(config.json + safetensors) or a kiln checkpoint (step folder or checkpoint folder; model only).",
+    )
+    load_step: int = _f(
+        -1, "Load this step instead of the latest (-1 = latest).", valid=Range(lo=0, also=(-1,), note="-1 = latest")
+    )
+    model_weights_only: bool = _f(False, "Save only model weights (no optimizer/data state).")
+    export_dtype: str = _f("float32", "dtype of weights-only saves.", ("float32", "bfloat16", "float16"))
+    last_save_model_weights_only: bool = _f(False, "Make the final save weights-only, in export_dtype.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("selective", "Recompute activations in backward.", ("none", "selective", "full"))
+    selective_ac_option: str = _f("2", "With mode=selective: 'op' for per-op SAC, or N to checkpoint every Nth block.")
+
+
+# MXFP8 (torchao.prototype.moe_training's MXFP8TrainingOpConfig recipes): e4m3 elements in blocks of 32 along the
+# contraction dim, one power-of-two (e8m0) scale per block, rounded up (rceil); real kernels need Blackwell (SM100).
+MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
+MXFP8_BLOCK = 32
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = _f(False, "Swap nn.Linear for torchao Float8Linear.")
+    recipe_name: str | None = _f(
+        None,
+        "torchao recipe; unset = tensorwise with the flags below. mxfp8_* = MXFP8 (32-element blocks, e8m0 scales; "
+        "Blackwell SM100, or --float8.emulate).",
+        ("tensorwise", "rowwise", "rowwise_with_gw_hp", *MXFP8_RECIPES),
+    )
+    enable_fsdp_float8_all_gather: bool = _f(False, "FSDP2 all-gathers weights in float8 (tensorwise only).")
+    precompute_float8_dynamic_scale_for_fsdp: bool = _f(
+        False, "One all-reduce of all weight amaxes after the optimizer step (needs float8 all-gather)."
+    )
+    filter_fqns: list[str] = _f(["output"], "Linears whose name contains one of these stay high precision.")
+    emulate: bool = _f(False, "Emulate float8 matmuls (CPU tests, GPUs below SM 8.9).")
+    auto_filter_small_kn: bool = _f(
+        False, "Also keep Linears whose GEMM is too small to gain in high precision (torchao's H100 thresholds)."
+    )
+
+    numerics_log_freq: int = _f(
+        0,
+        "Every N steps record each float8 Linear's operands (input, weight, grad_output): amax, scale, underflow and "
+        "saturation fractions, SQNR; the step runs eagerly; 0 = off.",
+        valid=Range(lo=0, note="0 = off"),
+    )
+    numerics_alarm_sqnr_db: float = _f(
+        20.0, "Warn once per layer when an operand's float8 SQNR falls below this many dB.", valid=POSITIVE
+    )
+    numerics_alarm_underflow: float = _f(
+        0.05,
+        "Warn once per layer when more than this fraction of an operand's nonzero elements underflow to zero.",
+        valid=Range(lo=0, hi=1),
+    )
+    high_precision_first_last: int = _f(
+        0, "Keep the first N and the last N transformer blocks in high precision.", valid=Range(lo=0)
+    )
+    disable_after_step: int = _f(
+        0,
+        "From the step after this one, every float8 Linear runs in high precision (the end of training); 0 = never.",
+        valid=Range(lo=0, note="0 = never"),
+    )
+
+    @property
+    def is_mxfp8(self) -> bool:
+        return self.recipe in MXFP8_RECIPES
+
+    @property
+    def recipe(self) -> str:
+        """The recipe in effect: an unset recipe_name means tensorwise scaling."""
+        return self.recipe_name or "tensorwise"
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, "Log metrics every N steps.", valid=AT_LEAST_1)
+    enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
+    save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
+    save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
+    disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
+    peak_tflops: float | None = _f(
+        None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _f(False, "Capture torch profiler traces.")
+    save_traces_folder: str = _f("profile_traces", "Trace folder, relative to job.dump_folder.")
+    profile_freq: int = _f(10, "Capture a trace every N steps.", valid=AT_LEAST_1)
+    enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
+    save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+    saved_activations_report: bool = _f(
+        False, "Run one eager training step, print the bytes kept for backward by producing op, and exit."
+    )
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _f(300, "Timeout for process-group init and the steps that may compile.", valid=TIMEOUT)
+    train_timeout_seconds: int = _f(100, "Collective timeout of every other step.", valid=TIMEOUT)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
