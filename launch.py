@@ -240,7 +240,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     if nodes.nnodes > 1:
         # Each rendezvous round gets a fresh store for the ranks, kept by the new rank 0. By default torchrun keeps
         # the first round's in the agent that was node 0 then: a restart after that node died waits for a store
-        # that is gone, and a replacement node never joins (seen in tests/test_multinode.py's kill test).
+        # that is gone, and a replacement node never joins (seen in tests/e2e/test_multinode.py's kill test).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     import torch
     from torch.distributed.elastic.multiprocessing import SignalException

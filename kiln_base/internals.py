@@ -2,8 +2,8 @@
 
 A private API (`torch.x._y`, `tensor._field`, a module path with an underscore) can change in any release
 without notice. Keeping each use here, behind a small named function, means a torch upgrade breaks one
-module whose tests (tests/test_internals.py) exercise every function and fail loudly; the rest of kiln calls
-these functions and never touches the internals itself (tests/test_internals.py also scans the source tree
+module whose tests (tests/kiln_base/test_internals.py) exercise every function and fail loudly; the rest of kiln calls
+these functions and never touches the internals itself (tests/kiln_base/test_internals.py also scans the source tree
 for private uses outside this file).
 
 Supported range: torch 2.11 (the GPU image's torch, and the oldest kiln supports) to 2.13 (the CPU

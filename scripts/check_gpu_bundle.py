@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "gpu_bundle" / "torchtitan"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BUNDLE))
-# The model flags of benchmarks/run.py's llama3_8b_8l preset (tests/test_benchmarks.py keeps the two equal).
+# The model flags of benchmarks/run.py's llama3_8b_8l preset (tests/e2e/test_benchmarks.py keeps the two equal).
 KILN_SHAPE = ["--job.config_file", "train_configs/llama3_8b.toml", "--model.n_layers", "8"]
 KILN_SHAPE += ["--model.vocab_size", "128256", "--training.seq_len", "8192", "--training.local_batch_size", "1"]
 KILN_SHAPE += ["--model.tokenizer_path", "assets/tokenizer/tokenizer.model"]

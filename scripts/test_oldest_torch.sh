@@ -30,11 +30,11 @@ CUDA_LIBS=(
 # FSDP float8 all-gather over gloo), parallelisms (FSDP, TP, SAC, compile), the saved-activation report, the dry
 # run (fake process group), checkpoints, the hot path. Their slow and multi-process tests are left to the main
 # suite (torch 2.13) to keep this leg to a few minutes; `bash scripts/test_oldest_torch.sh tests` runs everything.
-INTERNALS_TESTS=(tests/test_internals.py tests/test_architecture.py)
+INTERNALS_TESTS=(tests/kiln_base/test_internals.py tests/test_architecture.py)
 CALLER_TESTS=(
-    tests/test_float8.py tests/test_float8_checks.py tests/test_parallelisms.py tests/test_saved_activations.py
-    tests/test_dry_run.py tests/test_measure_sac.py tests/test_observability.py tests/test_checkpoint.py
-    tests/test_hot_path.py
+    tests/float8/test_float8.py tests/float8/test_float8_checks.py tests/parallelisms/test_parallelisms.py tests/trainer/test_saved_activations.py
+    tests/trainer/test_dry_run.py tests/e2e/test_measure_sac.py tests/trainer/test_observability.py tests/trainer/test_checkpoint.py
+    tests/trainer/test_hot_path.py
 )
 
 ready() {

@@ -1,5 +1,6 @@
 """Shared fixtures: process-group and determinism cleanup after every test, the repo root, tiny-run arguments,
-and Trainers that are always closed. The same helpers are importable from tests/common.py for module-level use."""
+and Trainers that are always closed. The same helpers are importable from tests/helpers/common.py for module-level
+use."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
+from tests.helpers.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer

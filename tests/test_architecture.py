@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.common import ROOT
+from tests.helpers.common import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
     ("kiln_base.errors",),

@@ -17,7 +17,7 @@ closest name of either as a suggestion.
 
 `resolve` rewrites the TOML table and the command-line items into kiln's own names before the parser
 (parse.py) applies them. docs/migrating-from-torchtitan.md's key table is generated from ROWS
-(`python scripts/torchtitan_keys_doc.py`) and tests/test_torchtitan_compat.py keeps the two equal, and ROWS
+(`python scripts/torchtitan_keys_doc.py`) and tests/kiln_base/test_torchtitan_compat.py keeps the two equal, and ROWS
 equal to the keys of torchtitan's JobConfig (tests/fixtures/torchtitan/job_config_keys.json).
 
 kiln's own renamed keys (RENAMED: `float8.sqnr_log_freq` -> `float8.numerics_log_freq`) go through the same

@@ -1,0 +1,322 @@
+"""run_train.sh as users run it: from any directory, CONFIG_FILE vs --job.config_file, and every user mistake
+(also those only a rank can find, under torchrun with 1 or 2 ranks) ending as one line `kiln: error: ...`, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.common import ROOT, tiny_run_args
+
+RUN_TRAIN = str(ROOT / "run_train.sh")
+TIMEOUT_S = 300
+
+
+def run_train(*args: str, cwd: Path, ngpu: int | str | None = 1, **env: str) -> subprocess.CompletedProcess:
+    """`NGPU=ngpu run_train.sh args` from `cwd`, with `env` on top of this process's environment."""
+    full_env = {**os.environ, **env}
+    if ngpu is not None:
+        full_env["NGPU"] = str(ngpu)
+    return subprocess.run(
+        ["bash", RUN_TRAIN, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2 and one line `kiln: error: ...` holding each needle, the last on stderr; no traceback anywhere.
+
+    Before it, stderr may hold only what rank 0 itself printed live before the error ("[rank0]:" lines, e.g.
+    torch's DTensor-on-CPU UserWarning once FSDP is built); torchrun's own report of the failure never appears.
+    """
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines and lines[-1].startswith("kiln: error: "), out[-3000:]
+    assert all(line.startswith("[rank0]:") for line in lines[:-1]), out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
+    return lines[-1]
+
+
+# ----------------------------------------------------------------------------- user mistakes, one line each
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Files whose mistake is in their contents."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "tokenizer.model").write_text("this is not a tiktoken file\n")
+    (d / "notext.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    (d / "tiny.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    return {"dir": str(d)}
+
+
+@pytest.fixture(scope="module")
+def ckpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A dump folder holding a checkpoint of a 2-layer debug model, saved through run_train.sh."""
+    d = tmp_path_factory.mktemp("ckpt2")
+    args = (
+        "--model.n_layers",
+        "2",
+        "--training.steps",
+        "1",
+        "--checkpoint.enable_checkpoint",
+        "--job.dump_folder",
+        ".",
+    )
+    proc = run_train(*tiny_run_args(*args), cwd=d)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (d / "checkpoint" / "step-1").is_dir()
+    return str(d)
+
+
+# (id, arguments ({dir}, {ckpt2} filled from the fixtures), text the line must hold, found before any rank starts)
+MISTAKES = [
+    (
+        "tp3",
+        ["--parallelism.tensor_parallel_degree", "3"],
+        "tensor_parallel_degree = 3 does not divide the world",
+        True,
+    ),
+    ("fsdp3", ["--parallelism.data_parallel_shard_degree", "3"], "must equal the world size", True),
+    (
+        "hsdp_x_tp",
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        "does not divide the world size",
+        True,
+    ),
+    ("global_batch", ["--training.global_batch_size", "3"], "training.global_batch_size (3) must be a multiple", True),
+    (
+        "tp_seq_len",
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.seq_len",
+            "33",
+        ],
+        "training.seq_len (33) must be divisible",
+        True,
+    ),
+    ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", True),
+    ("dataset_name", ["--training.dataset", "nosuch"], "training.dataset: unknown dataset 'nosuch'", True),
+    (
+        "dataset_record",
+        ["--training.dataset_path", "{dir}/notext.jsonl"],
+        "record 1 (line 1): no 'text' field (has: body)",
+        True,
+    ),
+    (
+        "dataset_too_small",
+        ["--training.dataset_path", "{dir}/tiny.jsonl"],
+        "tiny.jsonl is too small to fill one sequence",
+        False,
+    ),
+    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", False),
+    (
+        "checkpoint_model",
+        ["--job.dump_folder", "{ckpt2}", "--checkpoint.enable_checkpoint", "--model.n_layers", "1"],
+        "holds another model",
+        False,
+    ),
+    (
+        "async_tp_cpu",
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.enable_async_tensor_parallel",
+            "--training.compile",
+        ],
+        "needs CUDA",
+        False,
+    ),
+]
+# With one rank the degrees that need two ranks are not mistakes; these are.
+SINGLE_RANK = {
+    "tp3": (["--parallelism.tensor_parallel_degree", "3"], "does not divide the world size 1"),
+    "fsdp3": (["--parallelism.data_parallel_shard_degree", "3"], "must equal the world size 1"),
+}
+
+
+def _params(ngpu: int) -> list:
+    out = []
+    for name, args, needle, pre in MISTAKES:
+        if ngpu == 1:
+            if name in SINGLE_RANK:
+                args, needle = SINGLE_RANK[name]
+            elif any("tensor_parallel_degree" in a or "replicate_degree" in a for a in args):
+                continue  # a 2-rank layout
+        # Mistakes found by a rank start processes: 2 ranks are a distributed test, 1 rank a slow one.
+        marks = [] if pre else [pytest.mark.distributed if ngpu > 1 else pytest.mark.slow]
+        out.append(pytest.param(ngpu, args, needle, pre, id=f"ngpu{ngpu}-{name}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("ngpu", "args", "needle", "pre"), _params(2) + _params(1))
+def test_mistake_is_one_line_exit_2(
+    ngpu: int,
+    args: list[str],
+    needle: str,
+    pre: bool,
+    bad_files: dict[str, str],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
+    paths = dict(bad_files, ckpt2=request.getfixturevalue("ckpt2") if "{ckpt2}" in args else "")
+    args = [a.format(**paths) for a in args]
+    proc = run_train(*tiny_run_args("--job.dump_folder", str(tmp_path / "out"), *args), cwd=tmp_path, ngpu=ngpu)
+    assert_one_line_error(proc, needle)
+    if pre:  # checked by the launcher for NGPU ranks: torchrun never started one, stderr is that line alone
+        assert "[rank0]" not in proc.stdout and len(proc.stderr.splitlines()) == 1, proc.stdout[-2000:]
+    else:  # found by a rank, reported once by the launcher
+        assert "[rank0]" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(("ngpu", "args", "needle", "pre"), _params(2) + _params(1))
+def test_launcher_precheck_catches_exactly_the_pre_mistakes(
+    ngpu: int, args: list[str], needle: str, pre: bool, bad_files: dict[str, str], capfd: pytest.CaptureFixture
+) -> None:
+    """The launcher's check before torchrun (train.check_config with the world size) finds the mistakes marked as
+    found before any rank starts, with their line, and passes the others on to the ranks."""
+    import train
+
+    paths = dict(bad_files, ckpt2=str(bad_files["dir"]))  # no rank runs here: any folder stands in for ckpt2
+    cfg = train.check_config([*tiny_run_args(), *(a.format(**paths) for a in args)], world_size=ngpu)
+    err = capfd.readouterr().err
+    assert (cfg is None) == pre, err
+    assert (needle in err) == pre, err
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"NGPU": "0"}, "NGPU must be a positive integer"),
+        ({"NGPU": "abc"}, "NGPU must be a positive integer"),
+        ({"NGPU": "2", "LOG_RANK": "2"}, "LOG_RANK must be a comma-separated list of ranks in 0..1"),
+        ({"NGPU": "1", "CONFIG_FILE": "nosuch.toml"}, "config file not found: "),
+    ],
+)
+def test_launcher_environment_mistakes(env: dict[str, str], needle: str, tmp_path: Path) -> None:
+    proc = run_train("--training.steps", "1", cwd=tmp_path, ngpu=None, **env)
+    assert_one_line_error(proc, needle)
+
+
+@pytest.mark.slow  # starts torchrun and a rank
+def test_failure_that_is_no_user_mistake_keeps_torchruns_report(tmp_path: Path) -> None:
+    """A diverging run (NonFiniteError, exit 1 in the rank) is not a user mistake: torchrun's report and exit 1."""
+    args = tiny_run_args("--optimizer.lr", "1e30", "--training.steps", "5", "--job.dump_folder", str(tmp_path))
+    proc = run_train(*args, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ChildFailedError" in proc.stderr and "kiln: error: non-finite" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_run_train_sh_stops_both_ranks_with_their_line_and_exit_143(tmp_path: Path) -> None:
+    """SIGTERM (what a scheduler sends) to run_train.sh with 2 ranks: each rank saves and says so in one line, and
+    the launcher ends with the shell's status for SIGTERM, without torchrun's traceback of its own signal."""
+    args = tiny_run_args("--training.steps", "10000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000")
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
+    proc = subprocess.Popen(
+        ["bash", RUN_TRAIN, *args, "--job.dump_folder", "run"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:  # both ranks log; the first step line means the loop runs
+        if "step:  1 " in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    assert "Traceback" not in out + err and "SignalException" not in out + err, err[-3000:]
+    stops = [line.split("kiln: ", 1)[1] for line in err.splitlines() if "kiln: stopped by SIGTERM" in line]
+    assert len(stops) == 2 and stops[0] == stops[1], err[-3000:]
+    saved = tmp_path / "run" / "checkpoint" / stops[0].split("; saved ")[1].split(";")[0].rsplit("/", 1)[-1]
+    assert (saved / ".metadata").is_file(), stops[0]
+
+
+# ----------------------------------------------------------------------------- paths and config precedence
+
+
+@pytest.mark.slow  # trains through run_train.sh
+def test_runs_from_any_directory_with_relative_paths(tmp_path: Path) -> None:
+    """From a temporary directory: a relative CONFIG_FILE, dump folder and dataset; the bundled tokenizer is found
+    through the config's kiln-relative `assets/...` path; the checkpoint lands under the launch directory."""
+    (tmp_path / "data.jsonl").write_text(
+        "".join(json.dumps({"text": f"line {i} of my data."}) + "\n" for i in range(50))
+    )
+    (tmp_path / "my.toml").write_text(
+        '[job]\ndump_folder = "runs/a"\n[model]\ntokenizer_path = "assets/tokenizer/tokenizer.model"\n'
+        '[training]\ndataset_path = "data.jsonl"\nsteps = 2\nseq_len = 32\nlocal_batch_size = 2\n'
+        "[checkpoint]\nenable_checkpoint = true\ninterval = 1\n"
+        '[activation_checkpoint]\nmode = "none"\n'
+    )
+    proc = run_train(cwd=tmp_path, CONFIG_FILE="my.toml")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "a" / "checkpoint" / "step-2").is_dir()
+    assert not (ROOT / "runs").exists()
+    for line in (
+        f"Config file: {tmp_path / 'my.toml'}",
+        f"Dump folder: {tmp_path / 'runs' / 'a'}",
+        f"Tokenizer: {ROOT / 'assets' / 'tokenizer' / 'tokenizer.model'}",
+        f"Dataset: {tmp_path / 'data.jsonl'}",
+        f"Checkpoint folder: {tmp_path / 'runs' / 'a' / 'checkpoint'}",
+    ):
+        assert proc.stdout.count(line) == 1, (line, proc.stdout[-3000:])
+
+
+def test_command_line_config_file_wins_over_config_file_env(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text("[training]\nsteps = 3\n")
+    (tmp_path / "b.toml").write_text("[training]\nstpes = 3\n")  # a mistake, so the line names the file read
+    proc = run_train("--job.config_file", "b.toml", cwd=tmp_path, CONFIG_FILE="a.toml")
+    assert_one_line_error(proc, f"{tmp_path / 'b.toml'}: training.stpes: unknown key")
+    proc = run_train("--job.config_file", "b.toml", cwd=tmp_path)  # over the default config too
+    assert_one_line_error(proc, f"{tmp_path / 'b.toml'}: training.stpes")
+    proc = run_train(cwd=tmp_path, CONFIG_FILE="b.toml")  # and CONFIG_FILE alone is read
+    assert_one_line_error(proc, f"{tmp_path / 'b.toml'}: training.stpes")
+
+
+def test_exit_now_keeps_the_status_and_what_was_written() -> None:
+    """train.py and launch.py end through train.exit_now (no interpreter teardown): the exit status and output
+    still buffered (stdout to a pipe is block-buffered) arrive."""
+    code = "import sys, train; print('printed'); sys.stderr.write('written'); train.exit_now(3)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "printed\n", "written")
+
+
+def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to("/usr/bin/dirname")
+    env = {"PATH": str(bin_dir), "NGPU": "1"}
+    proc = subprocess.run(
+        ["/bin/bash", RUN_TRAIN, "--training.stpes", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert_one_line_error(proc, "neither python nor python3 is on PATH")
+    (bin_dir / "python3").symlink_to(sys.executable)
+    proc = subprocess.run(
+        ["/bin/bash", RUN_TRAIN, "--training.stpes", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3

@@ -1,0 +1,350 @@
+"""Several nodes, simulated on one machine: two torchrun agents (run_train.sh each, 2 gloo ranks per "node") meet
+at a c10d rendezvous on localhost, as nodes of a cluster do at the first node's address.
+
+- the launcher's node layout from SLURM's variables or explicit ones, and its one-line mistakes (fast);
+- HSDP (replicate 2 across the nodes, shard 2 within) with float8 tensorwise, FSDP float8 all-gather and
+  precompute, launched through scripts/slurm_train.sh (a stand-in `srun` starts one task per node), and FSDP 2 x
+  TP 2 through the plain-host variables: the same step lines and final weights as one 4-rank node;
+- a node killed mid-step: the survivors name it in one line and exit within the collective timeout; torchrun's
+  restart budget restarts the job when a replacement node joins, and it resumes from the newest complete
+  checkpoint with the losses and final weights of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import launch
+from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port
+
+RUN_TRAIN = str(ROOT / "run_train.sh")
+TIMEOUT_S = 600
+COLLECTIVE_TIMEOUT_S = 30  # comm.train_timeout_seconds of these runs
+STEP = re.compile(r"step: +(\d+)  loss: +(\S+)  .*  grad_norm: +(\S+)  lr:")
+TINY = (
+    *("--job.config_file", DEBUG_CONFIG, "--model.n_layers", "2", "--training.seq_len", "32"),
+    *("--training.steps", "6", "--training.seed", "0", "--training.mixed_precision_param", "float32"),
+    *("--metrics.log_freq", "1", "--activation_checkpoint.mode", "none", "--optimizer.lr", "3e-3"),
+    *("--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "2"),
+    *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"),
+    *("--comm.train_timeout_seconds", str(COLLECTIVE_TIMEOUT_S)),
+)
+P = "--parallelism."
+HSDP_FLOAT8 = (
+    *(f"{P}data_parallel_replicate_degree", "2", f"{P}data_parallel_shard_degree", "2"),
+    *("--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"),
+    "--float8.precompute_float8_dynamic_scale_for_fsdp",
+)
+FSDP_TP = (f"{P}data_parallel_shard_degree", "2", f"{P}tensor_parallel_degree", "2")
+BASE_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+for name in ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "SLURM_JOB_ID", "SLURM_NNODES"):
+    BASE_ENV.pop(name, None)
+
+
+# ----------------------------------------------------------------------------- the node layout (fast)
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[007-010]"}
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("gpu[007-010]", "gpu007"), ("a1,b2", "a1"), ("gpu[3,5-6],cpu1", "gpu3"), ("r[1-2]-n[09-10]", "r1-n09")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
+    assert launch.first_host(nodelist) == first
+
+
+def test_node_layout_from_slurm() -> None:
+    nodes = launch.node_layout(SLURM)
+    assert nodes == launch.Nodes(4, 2, "gpu007:29500", "4242", "SLURM")
+    assert nodes.torchrun_args() == [
+        *("--nnodes", "4", "--rdzv_backend", "c10d", "--rdzv_endpoint", "gpu007:29500", "--rdzv_id", "4242"),
+        *("--rdzv_conf", "is_host=0"),
+    ]
+    assert launch.node_layout({**SLURM, "SLURM_NODEID": "0"}).torchrun_args()[-1] == "is_host=1"
+    assert launch.node_layout({**SLURM, "RDZV_PORT": "6000"}).endpoint == "gpu007:6000"
+    # A one-node allocation keeps a local rendezvous on a free port: two such jobs on one node never meet.
+    assert launch.node_layout({**SLURM, "SLURM_NNODES": "1", "SLURM_NODEID": "0"}).endpoint == "localhost:0"
+
+
+def test_node_layout_from_explicit_variables_wins_over_slurm() -> None:
+    env = {"NNODES": "2", "NODE_RANK": "1", "RDZV_ENDPOINT": "head:7000", "RDZV_ID": "run7"}
+    assert launch.node_layout(env) == launch.Nodes(2, 1, "head:7000", "run7", "environment")
+    assert launch.node_layout({**SLURM, **env}) == launch.Nodes(2, 1, "head:7000", "run7", "environment")
+    assert launch.node_layout({}) == launch.Nodes(1, None, "localhost:0", "kiln", "environment")
+    assert "--rdzv_conf" not in launch.node_layout({k: v for k, v in env.items() if k != "NODE_RANK"}).torchrun_args()
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT=host:port"),
+        ({"NNODES": "2", "RDZV_ENDPOINT": "h:1", "NODE_RANK": "2"}, "node rank 2 must be in 0..1"),
+        ({"NNODES": "two"}, "NNODES must be a positive integer"),
+        ({"NNODES": "2", "RDZV_ENDPOINT": "head"}, "RDZV_ENDPOINT must be host:port, got 'head'"),
+        ({**SLURM, "SLURM_STEP_NUM_TASKS": "32", "SLURM_STEP_NUM_NODES": "4"}, "run one task per node"),
+    ],
+)
+def test_node_layout_mistakes(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        launch.node_layout(env)
+
+
+def test_config_is_checked_for_the_whole_world_before_any_rank_starts(tmp_path: Path) -> None:
+    """NNODES x NGPU = 4 ranks: a shard degree of 2 is refused on every node before torchrun starts one."""
+    env = {**BASE_ENV, "NGPU": "2", "NNODES": "2", "NODE_RANK": "1", "RDZV_ENDPOINT": "localhost:1"}
+    args = [*TINY, f"{P}data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run(["bash", RUN_TRAIN, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line == (
+        "kiln: error: parallelism: data_parallel_replicate_degree (1) x data_parallel_shard_degree (2) x "
+        "tensor_parallel_degree (1) must equal the world size 4"
+    )
+    assert "[rank" not in proc.stdout
+
+
+def test_spent_restarts_after_a_lost_rank_are_one_line() -> None:
+    """torchrun's ChildFailedError whose first failure is a rank that saw others vanish (exit 75): one line, 75;
+    any other failure keeps torchrun's report (None)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failed(*codes: int) -> ChildFailedError:
+        return ChildFailedError("train.py", {r: ProcessFailure(r, 100 + r, c, "") for r, c in enumerate(codes)})
+
+    out = io.StringIO()
+    empty = os.devnull
+    assert launch.failure_report(failed(75, -15), empty, 0, out) == 75
+    assert out.getvalue() == (
+        "kiln: error: the job lost ranks (the line above names them) and its restarts are spent (MAX_RESTARTS=0); "
+        "run it again to resume from the newest complete checkpoint\n"
+    )
+    assert launch.failure_report(failed(1, -15), empty, 0, io.StringIO()) is None
+
+
+# ----------------------------------------------------------------------------- two nodes on one machine
+
+
+def steps_of(text: str) -> list[tuple[int, str, str]]:
+    """(step, loss, grad_norm) of every step line, as printed (4 decimals)."""
+    return [(int(s), loss, norm) for s, loss, norm in (m.groups() for m in map(STEP.search, text.splitlines()) if m)]
+
+
+def final_weights(dump: Path) -> dict:
+    """The model weights of {dump}/checkpoint/step-6, read as kiln reads checkpoints."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from trainer.components.checkpoint import is_model_key, read_metadata
+    from trainer.components.checkpoint_reader import SafeFileSystemReader
+
+    path = str(dump / "checkpoint" / "step-6")
+    md = read_metadata(path)
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if is_model_key(k) and isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(sd, storage_reader=SafeFileSystemReader(path, md), no_dist=True)
+    return sd
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class Node:
+    """One simulated node: run_train.sh with NNODES=2 in its own session, its output pumped line by line."""
+
+    def __init__(self, node_rank: int, endpoint: str, dump: Path, *args: str, max_restarts: int = 0) -> None:
+        env = {**BASE_ENV, "NGPU": "2", "NNODES": "2", "NODE_RANK": str(node_rank), "RDZV_ENDPOINT": endpoint}
+        env.update(RDZV_ID="sim", MAX_RESTARTS=str(max_restarts))
+        self.proc = subprocess.Popen(
+            ["bash", RUN_TRAIN, *TINY, *args, "--job.dump_folder", str(dump)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[tuple[float, str] | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put((time.monotonic(), line))
+        self.lines.put(None)
+
+    def wait_for(self, text: str) -> tuple[float, str]:
+        """The time the first line holding `text` arrived, and the line."""
+        while True:
+            item = self.lines.get(timeout=TIMEOUT_S)
+            assert item is not None, f"exited before printing {text!r}:\n{''.join(self.seen)[-4000:]}"
+            self.seen.append(item[1])
+            if text in item[1]:
+                return item
+
+    def finish(self) -> tuple[int, str]:
+        rc = self.proc.wait(timeout=TIMEOUT_S)
+        while (item := self.lines.get(timeout=TIMEOUT_S)) is not None:
+            self.seen.append(item[1])
+        return rc, "".join(self.seen)
+
+    def kill(self) -> None:
+        """SIGKILL the node's every process (the launcher with torchrun's agent, and its ranks): a node gone."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+        tree = [self.proc.pid]
+        for pid in tree:
+            tree.extend(children.get(pid, []))
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def two_nodes(dump: Path, *args: str) -> str:
+    """Both nodes to the end through the plain-host variables; node 0's output."""
+    endpoint = f"localhost:{free_port()}"
+    nodes = [Node(0, endpoint, dump, *args), Node(1, endpoint, dump, *args)]
+    try:
+        results = [n.finish() for n in nodes]
+    finally:  # one node failing leaves the other waiting in a collective: end it too
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.kill()
+    for rc, out in results:
+        assert rc == 0, out[-4000:]
+    return "".join(out for _, out in results)
+
+
+def two_nodes_under_slurm(dump: Path, tmp: Path, *args: str) -> str:
+    """scripts/slurm_train.sh as sbatch would run it, with SLURM's variables for 2 nodes and a stand-in `srun`
+    that starts its command once per node with that node's SLURM_NODEID (nodes on localhost)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        'while [[ "$1" == -* ]]; do shift; done\n'
+        "pids=()\n"
+        "for ((i = 0; i < SLURM_NNODES; i++)); do\n"
+        '  SLURM_NODEID=$i SLURM_STEP_NUM_NODES=$SLURM_NNODES SLURM_STEP_NUM_TASKS=$SLURM_NNODES "$@" &\n'
+        "  pids+=($!)\n"
+        "done\n"
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n'
+    )
+    (bin_dir / "srun").chmod(0o755)
+    env = {**BASE_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NGPU": "2", "SLURM_SUBMIT_DIR": str(ROOT)}
+    env.update(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost", RDZV_PORT=str(free_port()))
+    argv = ["bash", str(ROOT / "scripts" / "slurm_train.sh"), *args, "--job.dump_folder", str(dump)]
+    proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("kiln: node 0 of 2 nodes x 2 ranks (SLURM), rendezvous localhost:") == 1, proc.stdout
+    assert proc.stdout.count("kiln: node 1 of 2 nodes x 2 ranks (SLURM), rendezvous localhost:") == 1, proc.stdout
+    return proc.stdout
+
+
+def one_node(dump: Path, *args: str) -> str:
+    env = {**BASE_ENV, "NGPU": "4"}
+    argv = ["bash", RUN_TRAIN, *TINY, *args, "--job.dump_folder", str(dump)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def hsdp_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("hsdp2")
+    return tmp / "run", two_nodes_under_slurm(tmp / "run", tmp, *TINY, *HSDP_FLOAT8)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hsdp_float8_across_two_nodes_equals_one_node(hsdp_two_nodes: tuple[Path, str], tmp_path: Path) -> None:
+    dump2, out2 = hsdp_two_nodes
+    out1 = one_node(tmp_path, *HSDP_FLOAT8)
+    print("2 nodes:", steps_of(out2), "\n1 node :", steps_of(out1))
+    assert [s for s, _, _ in steps_of(out2)] == list(range(1, 7))
+    assert steps_of(out2) == steps_of(out1)
+    assert "FSDP all-gathers 14 Float8Linear weights as 1-byte float8" in out2
+    assert_same_weights(final_weights(dump2), final_weights(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_x_tp_across_two_nodes_equals_one_node(tmp_path: Path) -> None:
+    out2 = two_nodes(tmp_path / "two", *FSDP_TP)
+    out1 = one_node(tmp_path / "one", *FSDP_TP)
+    print("2 nodes:", steps_of(out2), "\n1 node :", steps_of(out1))
+    assert [s for s, _, _ in steps_of(out2)] == list(range(1, 7))
+    assert steps_of(out2) == steps_of(out1)
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
+    hsdp_two_nodes: tuple[Path, str], tmp_path: Path
+) -> None:
+    """Node 1 is killed (every process) in step 4; node 0's ranks name it in one line within the collective
+    timeout; its torchrun (MAX_RESTARTS=1) restarts the job when a replacement node 1 joins, from step-2."""
+    dump2, straight = hsdp_two_nodes
+    endpoint = f"localhost:{free_port()}"
+    started: list[Node] = []
+    try:
+        out0, stopped, line, detect_s = _kill_and_replace(endpoint, tmp_path, started)
+    finally:  # a failed check leaves no node behind (node 0 would wait for a replacement at the rendezvous)
+        for node in started:
+            if node.proc.poll() is None:
+                node.kill()
+    print(f"detected {detect_s:.1f} s after the kill: {line.strip()}")
+    assert detect_s < COLLECTIVE_TIMEOUT_S
+    resume = 2 * ((stopped - 1) // 2)  # the newest checkpoint complete before the step that failed
+    loaded = f"Loaded checkpoint {tmp_path / 'checkpoint' / f'step-{resume}'} (full state)"
+    assert loaded in out0, out0[-4000:]
+    resumed = steps_of(out0.split(loaded, 1)[1])
+    print(f"stopped in step {stopped}; resumed from step-{resume}:", resumed, "\nstraight:", steps_of(straight))
+    assert resumed == steps_of(straight)[resume:]
+    assert_same_weights(final_weights(tmp_path), final_weights(dump2))
+    # One line from the survivors (rank 0's; torchrun shows local rank 0 only), no traceback on node 0.
+    assert out0.count("kiln: error: ") == 1 and "Traceback" not in out0, out0[-4000:]
+
+
+def _kill_and_replace(endpoint: str, dump: Path, started: list[Node]) -> tuple[str, int, str, float]:
+    """Kill node 1 once node 0 logged step 3, check node 0's line, start a replacement node 1, run to the end;
+    node 0's output, the step it stopped in, its line and the seconds from the kill to the line."""
+    node0 = Node(0, endpoint, dump, *HSDP_FLOAT8, max_restarts=1)
+    started.append(node0)
+    started.append(Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
+    node0.wait_for("step:  3 ")
+    started[1].kill()
+    killed = time.monotonic()
+    detected, line = node0.wait_for("kiln: error: ")
+    m = re.search(r"kiln: error: rank [01] stopped in step (\d+): lost ranks 2, 3 \(node 1, host \S+\); ", line)
+    assert m, line
+    replacement = Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1)
+    started.append(replacement)
+    (rc0, out0), (rc1, out1) = node0.finish(), replacement.finish()
+    assert rc0 == 0 and rc1 == 0, out0[-4000:] + out1[-4000:]
+    return out0, int(m.group(1)), line, detected - killed

@@ -1,0 +1,92 @@
+"""Run a function on N gloo ranks (spawned CPU processes) and collect what each rank returns.
+
+    results = run_distributed(fn, 2, arg)   # fn(arg) runs on ranks 0 and 1 inside an initialised process group
+
+`fn` must be a module-level function (it is pickled into the children). A failure on any rank fails the call
+with that rank's traceback. The environment torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) is set too, so code under test that calls `init_process_group("gloo")` itself also works.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.helpers.common import free_port, run_trainer
+
+TIMEOUT_S = 600
+
+
+def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)  # N ranks share the machine's cores; idle OpenMP threads would spin
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # report any failure (also assertion errors) to the parent with the traceback
+        results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# The ranks are forked from a forkserver that has imported torch and the Trainer once: a freshly spawned rank
+# spends ~5 s of CPU importing them, which on 2 cores was minutes of the suite. The forkserver is a clean
+# single-threaded process (unlike this one, which holds threads), so forking from it is safe.
+_PRELOAD = ["torch", "torch.distributed", "trainer.train", "tests.helpers.common", "tests.helpers.distributed"]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run fn(*args) on `world_size` gloo ranks; return the per-rank results, rank 0 first."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results, fn, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=TIMEOUT_S)
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(value)
+                break  # the other ranks are likely blocked in a collective
+    except queue.Empty:
+        errors.append(f"timed out after {TIMEOUT_S}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise AssertionError("distributed test failed on " + "\n".join(errors))
+    return [out[r] for r in range(world_size)]
+
+
+def reopen_group(store: str) -> None:
+    """On a rank of a run_distributed group: join the group again after a Trainer closed it (Trainer.close ends the
+    default group), through a fresh file store `store`; rank and world size as _worker set them."""
+    if not dist.is_initialized():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def train_in_group(argv: list[str], store: str) -> Any:
+    """On a rank of a run_distributed group: build, train and close a Trainer from train.py arguments (the group
+    reopened through `store` if needed; compiled graphs of earlier runs dropped); the closed Trainer."""
+    reopen_group(store)
+    torch._dynamo.reset()  # each run compiles its own blocks, never reuses another run's graphs
+    return run_trainer(argv)

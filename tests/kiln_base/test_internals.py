@@ -1,0 +1,423 @@
+"""kiln_base/internals.py: every function that touches private torch/torchao internals, exercised against the
+installed versions, so an upgrade (or the oldest supported torch, .ci/run's torch 2.11 leg) that changes one
+fails here by name. Plus the rule that makes the module mean something: nothing else in kiln uses them.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from kiln_base import internals
+from tests.helpers.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def world1() -> Iterator[None]:
+    """A one-rank gloo process group (CPU)."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    yield
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- tensors, dispatch, pytree
+
+
+def test_reexports_are_the_real_classes() -> None:
+    assert isinstance(aten.mm.default, internals.OpOverload)
+    assert internals.tree_leaves({"a": [1, (2, torch.ones(1))]})[:2] == [1, 2]
+    seen = []
+
+    class Spy(internals.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2, 2) @ torch.ones(2, 2)
+    assert aten.mm.default in seen
+    assert internals.is_traceable_wrapper_subclass(torch.ones(1)) is False  # a DTensor is one: see below
+
+
+def test_tensor_base() -> None:
+    p = nn.Parameter(torch.ones(4, 4))
+    assert internals.tensor_base(p.t()) is p
+    assert internals.tensor_base(torch.ones(2)) is None
+
+
+def test_unwrapped_fqn_strips_ac_and_compile_wrappers() -> None:
+    layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(4, 4))})
+    layers["0"] = torch.compile(internals.checkpoint_wrapper(layers["0"]))
+    (name,) = [n for n, m in layers.named_modules() if isinstance(m, nn.Linear)]
+    assert name != "0.0", "torch no longer inserts wrapper names: unwrapped_fqn may be obsolete"
+    assert internals.unwrapped_fqn(name) == "0.0"
+
+
+# ----------------------------------------------------------------------------- selective activation checkpointing
+
+
+def _sac_forward(record: list, must_save: set) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x @ w -> relu -> @ w under per-op SAC; the policy records (func, sac_op_output) for saved ops."""
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001, ANN002, ANN003
+        if func in must_save:
+            record.append((func, internals.sac_op_output(ctx, func, args, kwargs)))
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+    out = checkpoint(
+        lambda a: (a @ w).relu() @ w,
+        x,
+        use_reentrant=False,
+        context_fn=partial(create_selective_checkpoint_contexts, policy),
+    )
+    return out, x, w
+
+
+def test_sac_op_output_has_the_ops_shape_and_dtype() -> None:
+    record: list = []
+    out, _, _ = _sac_forward(record, {aten.mm.default})
+    assert [f for f, _ in record] == [aten.mm.default, aten.mm.default]
+    for _, o in record:
+        assert o.shape == (8, 16) and o.dtype == torch.float32 and o.nbytes == 8 * 16 * 4
+    out.sum().backward()
+
+
+def test_sac_cached_tensors_hold_what_sac_saved() -> None:
+    """The mm outputs SAC keeps are found in the caching modes' storage (torch 2.11: lists; 2.13: dicts)."""
+    torch.manual_seed(0)
+    with internals.capture_sac_caches() as modes:
+        out, x, w = _sac_forward([], {aten.mm.default})
+    cached = list(internals.sac_cached_tensors(modes))
+    assert len(modes) == 1
+    first_mm = (x @ w).detach()
+    assert len(cached) == 2 and any(torch.equal(c, first_mm) for c in cached)
+    out.sum().backward()  # the recompute still finds what the policy kept
+    assert x.grad is not None
+    # Patching is undone: modes built afterwards are not collected.
+    _sac_forward([], {aten.mm.default})[0].sum().backward()
+    assert len(modes) == 1
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def test_fsdp_param_groups_and_owners(world1: None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False))
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()  # lazy init
+    groups = internals.fsdp_param_groups(model[0])
+    assert len(groups) == 1
+    owners = [internals.fsdp_param_owner(p) for g in groups for p in g.fsdp_params]
+    assert owners == [(model[0], "weight")]
+    root_owners = [internals.fsdp_param_owner(p) for g in internals.fsdp_param_groups(model) for p in g.fsdp_params]
+    assert root_owners == [(model[1], "weight")]
+    assert internals.fsdp_param_groups(nn.Linear(2, 2)) == []
+
+
+class _CountingAllGather(internals.FSDPAllGather):
+    """A custom FSDP2 all-gather through internals.all_gather_single that counts the elements it sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN204
+        self.sent.append(input_tensor.numel())
+        return internals.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _fsdp_custom_all_gather() -> tuple[list[int], list[float]]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8, bias=False)
+    expected = model(torch.ones(1, 8)).detach()
+    fully_shard(model)
+    comm = _CountingAllGather()
+    model.set_custom_all_gather(comm)
+    out = model(torch.ones(1, 8))
+    torch.testing.assert_close(out, expected)  # the gathered weight is the whole weight
+    gathered = torch.zeros(2)
+    internals.all_gather_single(gathered, torch.tensor([float(dist.get_rank())]))
+    return comm.sent, gathered.tolist()
+
+
+@pytest.mark.distributed
+def test_custom_fsdp_all_gather_and_all_gather_single_on_two_ranks() -> None:
+    """FSDP2 calls a custom all-gather built on internals.FSDPAllGather (a 1-rank group skips the all-gather)."""
+    from tests.helpers.distributed import run_distributed
+
+    for sent, gathered in run_distributed(_fsdp_custom_all_gather, 2):
+        assert sent == [32]  # half of the 8x8 weight from each rank
+        assert gathered == [0.0, 1.0]
+
+
+def test_all_gather_single(world1: None) -> None:
+    out = torch.zeros(3)
+    internals.all_gather_single(out, torch.tensor([1.0, 2.0, 3.0]))
+    assert out.tolist() == [1.0, 2.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- DTensor, mesh, process groups
+
+
+def test_dtensor_local_tensor_is_the_shard_itself(world1: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    local = internals.dtensor_local_tensor(d)
+    assert type(local) is torch.Tensor and internals.dtensor_local_tensor(d) is local
+    assert internals.is_traceable_wrapper_subclass(d)
+    assert local.untyped_storage().data_ptr() == d.to_local().untyped_storage().data_ptr()
+
+
+def test_flatten_mesh(world1: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    flat = internals.flatten_mesh(mesh["a", "b"], "ab")
+    assert flat.mesh_dim_names == ("ab",) and flat.size() == 1
+
+
+def test_set_pg_timeout_changes_the_backend_timeout(world1: None) -> None:
+    assert internals.pg_timeout() == timedelta(seconds=60)
+    internals.set_pg_timeout(7)
+    assert internals.pg_timeout() == timedelta(seconds=7)
+
+
+def test_collective_timeout_reaches_every_group(world1: None) -> None:
+    """FSDP and TP run on subgroups: the training timeout must reach them, not only the world."""
+    from trainer.components.dist import set_collective_timeout
+
+    sub = dist.new_group([0])
+    assert sub in internals.all_process_groups() and dist.group.WORLD in internals.all_process_groups()
+    set_collective_timeout(9)
+    assert internals.pg_timeout(sub) == internals.pg_timeout() == timedelta(seconds=9)
+
+
+def test_fake_process_group() -> None:
+    internals.init_fake_process_group(8)
+    try:
+        assert dist.get_world_size() == 8 and dist.get_rank() == 0
+        t = torch.ones(2)
+        dist.all_reduce(t)  # does nothing, returns at once
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flatten_state_dict() -> None:
+    flat, mapping = internals.flatten_state_dict({"model": {"w": torch.ones(1)}, "train_state": {"step": 3}})
+    assert sorted(flat) == ["model.w", "train_state.step"]
+    assert mapping["model.w"] == ("model", "w")
+
+
+# ----------------------------------------------------------------------------- CUDA memory history (signatures: no GPU)
+
+
+def test_cuda_memory_history_api() -> None:
+    """The GPU path cannot run here; pin the private functions' existence and the keywords kiln passes."""
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert "max_entries" in record and "enabled" in record
+    assert callable(torch.cuda.memory._snapshot)
+    if torch.cuda.is_available():
+        internals.start_cuda_memory_history(1000)
+        torch.ones(1, device="cuda")
+        assert internals.cuda_memory_snapshot()["segments"]
+        internals.stop_cuda_memory_history()
+
+
+# ----------------------------------------------------------------------------- inductor config
+
+
+def test_inductor_flags() -> None:
+    import torch._inductor.config as inductor_config
+
+    # config.patch, not pytest's monkeypatch: on torch 2.11 monkeypatch's undo deletes inductor config keys.
+    with inductor_config.patch(emulate_precision_casts=False, _micro_pipeline_tp=False):
+        assert internals.emulate_precision_casts_enabled() is False
+        internals.enable_emulate_precision_casts()
+        assert internals.emulate_precision_casts_enabled() is True
+        assert inductor_config._micro_pipeline_tp is False  # the key exists (patch would have raised)
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    assert "group_name" in inspect.signature(enable_symm_mem_for_group).parameters
+
+
+# ----------------------------------------------------------------------------- torchao float8 tensors
+
+
+def test_float8_tensor_fields() -> None:
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, hp_tensor_and_scale_to_float8
+
+    hp = torch.randn(16, 16)
+    scale = torch.tensor(448.0 / hp.abs().max().item())
+    fp8 = hp_tensor_and_scale_to_float8(hp, scale, torch.float8_e4m3fn)
+    data = internals.float8_data(fp8)
+    assert type(data) is torch.Tensor and data.dtype == torch.float8_e4m3fn and data.shape == (16, 16)
+    copy = internals.float8_with_data(fp8, data.clone())
+    assert type(copy) is Float8TrainingTensor and copy is not fp8
+    torch.testing.assert_close(copy.to_original_precision(), fp8.to_original_precision(), rtol=0, atol=0)
+    table = internals.float8_ops_table()
+    assert any("all_gather_into_tensor" in str(op) for op in table)
+
+
+def test_float8_weight_inner() -> None:
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    hp = torch.randn(4, 4)
+    wrapped = WeightWithDynamicFloat8CastTensor(hp, LinearMMConfig(), torch.float8_e4m3fn)
+    assert internals.float8_weight_inner(wrapped) is hp
+    assert internals.float8_weight_inner(hp) is None and internals.float8_weight_inner(nn.Parameter(hp)) is None
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+def _private_uses(path: Path, name: str) -> Iterator[str]:
+    """Private torch/torchao uses in one file: imports of `_`-prefixed torch/torchao modules or names, and
+    `_`-prefixed attributes of anything but self/cls (aten/torch.ops operator names excepted: op identifiers)."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "torchao"):
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(part.startswith("_") for n in names for part in n.split(".")):
+                yield f"{name}:{node.lineno}: from {node.module} import ..."
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in ("torch", "torchao") and any(p.startswith("_") for p in a.name.split(".")):
+                    yield f"{name}:{node.lineno}: import {a.name}"
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = ast.unparse(node.value)
+            if base in ("self", "cls") or base in ("aten", "torch.ops") or base.startswith(("aten.", "torch.ops.")):
+                continue
+            if ast.unparse(node) == "os._exit":  # the standard library's documented exit without teardown
+                continue
+            if node.attr.startswith("_kiln"):  # kiln's own marker attributes
+                continue
+            yield f"{name}:{node.lineno}: {ast.unparse(node)}"
+
+
+def test_private_internals_only_in_trainer_internals() -> None:
+    found = []
+    for path in sorted(ROOT.glob("**/*.py")):
+        rel = path.relative_to(ROOT)
+        if (
+            rel.parts[0] in ("tests", "gpu_bundle")
+            or rel.name.startswith("repro_")  # standalone upstream reproductions: no kiln imports by design
+            or rel.parts[0].startswith(".")
+            or rel == Path("kiln_base/internals.py")
+        ):
+            continue
+        found += list(_private_uses(path, rel.as_posix()))
+    assert not found, "private torch/torchao internals outside kiln_base/internals.py:\n" + "\n".join(found)
+
+
+def test_the_rule_sees_private_uses(tmp_path: Path) -> None:
+    bad = tmp_path / "probe.py"
+    bad.write_text(
+        "import torch.utils._pytree\nfrom torch.distributed.checkpoint._nested_dict import flatten_state_dict\n"
+        "x = dist.distributed_c10d._set_pg_timeout\ny = t._local_tensor\nz = self._ok + aten._scaled_mm.default\n"
+    )
+    assert len(list(_private_uses(bad, "probe.py"))) == 4
+
+
+def test_cpu_scaled_mm_rowwise_probe() -> None:
+    """The probe agrees with the kernel: per-row scales work exactly when it says so (2.11: no; 2.13: yes)."""
+    a = torch.randn(32, 16).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 16).to(torch.float8_e4m3fn).t()
+    rowwise = {"scale_a": torch.ones(32, 1), "scale_b": torch.ones(1, 16), "out_dtype": torch.bfloat16}
+    if internals.cpu_scaled_mm_supports_rowwise():
+        assert torch._scaled_mm(a, b, **rowwise).shape == (32, 16)
+    else:
+        with pytest.raises(RuntimeError, match="per-tensor"):
+            torch._scaled_mm(a, b, **rowwise)
+    # Per-tensor scales work on both (tensorwise float8 on a CPU).
+    assert torch._scaled_mm(a, b, scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.bfloat16).shape
+
+
+def test_partitioned_graphs_backend() -> None:
+    """Forward and backward graphs come back; the backward's non-tangent inputs are forward nodes (saved)."""
+    graphs: list[tuple[str, Any]] = []
+    f = torch.compile(lambda x: torch.sin(x).sum(), backend=internals.partitioned_graphs_backend(graphs))
+    x = torch.randn(8, requires_grad=True)
+    f(x).backward()
+    assert torch.allclose(x.grad, torch.cos(x))
+    kinds = [kind for kind, _ in graphs]
+    assert kinds == ["forward", "backward"]
+    fw_names = {n.name for n in graphs[0][1].graph.nodes}
+    saved = [n.name for n in graphs[1][1].graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    assert saved and set(saved) <= fw_names
+
+
+def test_cpu_float8_conversion_skips_torchaos_triton_patch() -> None:
+    """On a CPU, Float8Linear conversion leaves inductor's Triton codegen unimported (0.7 s per rank); torchao's
+    flag is where the function expects it. A fresh process: another test may have imported inductor already."""
+    code = (
+        "import sys, torch.nn as nn\n"
+        "from float8.converter import Float8Converter\n"
+        "from kiln_base.config import Float8\n"
+        "model = nn.Sequential(nn.Linear(64, 64))\n"
+        "Float8Converter(Float8(enable_float8_linear=True)).convert(model)\n"
+        "from torchao.float8 import _inductor_patch\n"
+        "print(type(model[0]).__name__, _inductor_patch._PATCHED, 'torch._inductor.codegen.triton' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-3:] == ["Float8Linear", "True", "False"]
+
+
+def test_mxfp8_internals() -> None:
+    """MXFP8 weight wrapper's `_data`, MXTensor's op table and fields, the torch-function switch, DTensor locals."""
+    import dataclasses
+
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    config = dataclasses.replace(
+        MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL), kernel_preference=KernelPreference.EMULATED
+    )
+    hp = torch.randn(64, 32)
+    wrapped = MXFP8TrainingWeightWrapperTensor(hp, config)
+    assert internals.mxfp8_weight_data(wrapped) is hp
+    x = torch.randn(8, 32)
+    # With torch-function subclasses off, F.linear reaches dispatch, where the wrapper unwraps: an exact hp matmul.
+    with internals.disable_torch_function_subclass():
+        torch.testing.assert_close(torch.nn.functional.linear(x, wrapped), x @ hp.t(), rtol=0, atol=0)
+    assert not torch.equal(torch.nn.functional.linear(x, wrapped), x @ hp.t())  # otherwise: MXFP8
+    table = internals.mx_tensor_ops_table()
+    assert torch.ops.aten.mm.default in table and torch.ops.aten.addmm.default in table
+    a = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL, KernelPreference.EMULATED)
+    assert internals.mx_matmul_is_emulated_and_traced(a, a) == (True, False)
+    assert internals.local_tensor_or_self(hp) is hp
