@@ -187,6 +187,15 @@ def local_tensor_or_self(t: Any) -> Any:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def shard_offset(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of DTensor `t` (uneven FSDP shards included). Checked on
+    torch 2.11.0, 2.13.0 (`torch.distributed.tensor._utils.compute_local_shape_and_global_offset`)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A 1-D mesh over all dimensions of `mesh` (e.g. dp_replicate x dp_shard -> dp), registered as `name`.
 

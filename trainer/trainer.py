@@ -79,7 +79,7 @@ class Trainer:
             f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
         )
-        build.materialize(self.model, self.device)
+        build.materialize(self.model, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)

@@ -187,7 +187,8 @@ FLOAT8_SCALE_OPS = ("aten.max", "aten.amax")
 
 def check_ops_not_saved(report: SavedActivationReport, ops: tuple[str, ...] = ("aten.abs",)) -> list[str]:
     """Violations: any kept output of `ops`. `abs` must never be kept: under per-op SAC with float8 it
-    holds abs(W) of every (unsharded) weight, seed 001's +23% peak memory; amax is saved instead."""
+    holds abs(W) of every (unsharded) weight, the +23% peak memory reported in torchtitan PR #808; amax is saved
+    instead."""
     return [
         f"{r.op}: {r.count} tensors, {r.nbytes:,} bytes kept for backward (must be recomputed)"
         for r in report.rows
