@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
+from kiln_base.errors import CheckpointError
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
 from trainer.components.checkpoint import step_dir
@@ -164,6 +165,16 @@ class Trainer:
             logger.info(f"saved_activations_total_bytes: {report.total_bytes}")
         return report
 
+    def write_seed_checkpoint(self) -> None:
+        """checkpoint.create_seed_checkpoint: save the initial weights as step-0 (nothing trained) and return."""
+        if self.checkpointer.loaded is not None:
+            raise CheckpointError(
+                f"checkpoint.create_seed_checkpoint: {self.checkpointer.folder} already holds "
+                f"{self.checkpointer.loaded}; a seed checkpoint starts a run: use an empty checkpoint.folder"
+            )
+        path = self.checkpointer.save_seed()
+        logger.info(f"Seed checkpoint written: {path} (step 0); runs with this checkpoint folder start from it")
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate gradients over micro-batches, clip, step the optimizer and LR; return (loss, grad norm)."""
         self.optimizer.zero_grad()
@@ -217,6 +228,9 @@ class Trainer:
         t = self.cfg.training
         if self.cfg.profiling.saved_activations_report:
             self.report_saved_activations()
+            return
+        if self.cfg.checkpoint.create_seed_checkpoint:
+            self.write_seed_checkpoint()
             return
         logger.info(
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "

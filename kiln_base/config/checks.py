@@ -52,6 +52,11 @@ def check_config(cfg: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
     _check_float8_flags(cfg.float8)
+    _check(
+        not cfg.checkpoint.create_seed_checkpoint or cfg.checkpoint.enable_checkpoint,
+        "checkpoint.create_seed_checkpoint writes step-0 into the checkpoint folder; "
+        "add --checkpoint.enable_checkpoint",
+    )
     src = cfg.checkpoint.initial_load_path
     _check(
         cfg.model.flavor != FROM_CHECKPOINT or src is not None,

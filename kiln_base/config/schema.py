@@ -252,6 +252,11 @@ class Checkpoint:
     model_weights_only: bool = _f(False, "Save only model weights (no optimizer/data state).")
     export_dtype: str = _f("float32", "dtype of weights-only saves.", ("float32", "bfloat16", "float16"))
     last_save_model_weights_only: bool = _f(False, "Make the final save weights-only, in export_dtype.")
+    create_seed_checkpoint: bool = _f(
+        False,
+        "Write the initial weights as a full checkpoint step-0 and exit (torchtitan's meaning; any layout: the same "
+        "training.seed gives the same model in every layout, so none is needed to compare layouts).",
+    )
 
 
 @dataclass

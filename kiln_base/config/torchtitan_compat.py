@@ -449,13 +449,10 @@ ROWS_LIST: tuple[Key, ...] = (
         "export after training: scripts/convert_hf.py to_hf CHECKPOINT HF_DIR (config, tokenizer, shards)",
     ),
     honour("checkpoint.export_dtype", ALL),
-    ignore_if(
+    honour(
         "checkpoint.create_seed_checkpoint",
         ALL,
-        bool,
-        (False,),
-        OFF,
-        "kiln needs no seed checkpoint: it initialises weights after parallelising (set training.seed to repeat it)",
+        "any number of ranks (one seed gives the same model in every layout, so a seed checkpoint is optional)",
     ),
     honour("checkpoint.async_mode", ALL),
     honour("checkpoint.keep_latest_k", ALL),
