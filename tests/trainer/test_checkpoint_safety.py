@@ -11,7 +11,6 @@ start, before the model is built.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import io
 import logging
 import os
@@ -29,24 +28,19 @@ import torch.distributed.checkpoint as dcp
 
 import train as train_entry
 from kiln_base.config import parse_args
-from models import LLAMA3_FLAVORS
-from tests.trainer.test_checkpoint import SMALL, TINY, names, snapshot
+from tests.helpers.checkpoints import TINY, names, snapshot
+from tests.helpers.common import ROOT
+from tests.helpers.scripts import load_script
 from trainer.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
 CKPT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
 
 
 @pytest.fixture(autouse=True)
-def small_model(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
-    """In-process runs use a 2-layer, dim-64 debugmodel (1 MB saves) and log kiln's INFO lines; no process group
-    or determinism leaks."""
-    monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)
+def small_model_with_kiln_logs(small_model: None, caplog: pytest.LogCaptureFixture) -> None:
+    """In-process runs use a 2-layer, dim-64 debugmodel (1 MB saves) and log kiln's INFO lines (conftest.py ends any
+    process group or determinism a test leaves)."""
     caplog.set_level(logging.INFO, logger="kiln")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch.use_deterministic_algorithms(False)
 
 
 class Payload:
@@ -163,9 +157,7 @@ def test_truncated_metadata_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_convert_hf_refuses_crafted_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "scripts" / "convert_hf.py")
-    conv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conv)
+    conv = load_script("convert_hf")
     folder = good_run(tmp_path / "run")
     marker = tmp_path / "pwned"
     with open(folder / "step-2" / ".metadata", "rb") as f:

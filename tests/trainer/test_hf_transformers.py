@@ -23,8 +23,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer
 from models.args import first_difference
 from tests.helpers.common import HANG_TIMEOUT_S, ROOT, TOKENIZER_PATH, open_trainer, tiny_run_args
-from tests.trainer.test_convert_hf import conv
+from tests.helpers.scripts import load_script
 from trainer.components.tokenizer import Tokenizer
+
+conv = load_script("convert_hf")
 
 assert int(transformers.__version__.split(".")[0]) >= 5, transformers.__version__
 VOCAB = 2256  # the bundled tokenizer's size, so exports carry it
