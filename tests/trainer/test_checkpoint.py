@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,29 +19,23 @@ import train as train_entry
 from kiln_base.config import Checkpoint, parse_args
 from models import LLAMA3_FLAVORS, ModelArgs
 from tests.helpers.checkpoints import SMALL, TINY, names, snapshot, train_tiny
-from tests.helpers.common import HANG_TIMEOUT_S, ROOT
+from tests.helpers.kiln_process import CKPT_DRIVER, run_kiln
 from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
 from trainer.trainer import Trainer
-
-DRIVER = str(ROOT / "tests" / "helpers" / "ckpt_driver.py")
 
 
 def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None) -> tuple[int, list[float]]:
     """Run tests/helpers/ckpt_driver.py (under torchrun when nproc > 1); return (exit status, rank 0's losses)."""
     out = dump.with_suffix(".losses.json")
-    launch = [sys.executable, DRIVER] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", DRIVER,
-    ]  # fmt: skip
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(
-        [*launch, str(out), *TINY, "--job.dump_folder", str(dump), *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT_S,
-        cwd=ROOT,
+    proc = run_kiln(
+        [out, *TINY, "--job.dump_folder", dump, *args],
+        launcher="python" if nproc == 1 else "torchrun",
+        script=CKPT_DRIVER,
+        ngpu=nproc,
+        threads=1,
+        env=env,
+        log=dump.parent / f"{dump.name}.log",  # for debugging failures
     )
-    (dump.parent / f"{dump.name}.log").write_text(proc.stdout + proc.stderr)  # for debugging failures
     losses = json.loads(out.read_text()) if out.exists() else []
     return proc.returncode, losses
 

@@ -18,7 +18,6 @@ import pickle
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 import train as train_entry
 from kiln_base.config import parse_args
 from tests.helpers.checkpoints import TINY, names, snapshot
-from tests.helpers.common import ROOT
+from tests.helpers.kiln_process import run_kiln, run_python
 from tests.helpers.scripts import load_script
 from trainer.trainer import Trainer
 
@@ -178,13 +177,11 @@ def test_one_run_per_folder_and_a_killed_holder_does_not_block(tmp_path: Path, c
     # A real kiln run holds the folder (this process); a second run, as users start it, is refused at once.
     holder = Trainer(parse_args([*TINY, "--job.dump_folder", str(tmp_path), *CKPT]))
     try:
-        proc = subprocess.run(
-            [sys.executable, "train.py", *TINY, "--job.dump_folder", str(tmp_path), *CKPT, "--training.steps", "2"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
+        proc = run_kiln(
+            [*TINY, "--job.dump_folder", tmp_path, *CKPT, "--training.steps", "2"],
+            launcher="python",
+            threads=1,
             timeout=300,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     finally:
         holder.close()
@@ -197,13 +194,9 @@ def test_one_run_per_folder_and_a_killed_holder_does_not_block(tmp_path: Path, c
 
     # A run killed while holding the lock leaves the file (and its pid@host) behind, but not the lock.
     lock = tmp_path / "checkpoint" / ".kiln.lock"
-    killed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"import fcntl, os, signal; fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
-            "os.pwrite(fd, b'4242@elsewhere\\n', 0); os.kill(os.getpid(), signal.SIGKILL)",
-        ],
+    killed = run_python(
+        f"import fcntl, os, signal; fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "os.pwrite(fd, b'4242@elsewhere\\n', 0); os.kill(os.getpid(), signal.SIGKILL)",
         timeout=60,
     )
     assert killed.returncode == -9 and lock.read_text() == "4242@elsewhere\n"
@@ -324,11 +317,13 @@ def test_two_ranks_both_refuse_a_locked_folder(tmp_path: Path) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, b"777@otherhost\n", 0)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-             *TINY, "--job.dump_folder", str(tmp_path), *CKPT, "--training.steps", "2"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+        proc = run_kiln(
+            [*TINY, "--job.dump_folder", tmp_path, *CKPT, "--training.steps", "2"],
+            launcher="torchrun",
+            ngpu=2,
+            threads=1,
+            timeout=300,
+        )
     finally:
         os.close(fd)
     errors = [line for line in proc.stderr.splitlines() if "kiln: error:" in line]
