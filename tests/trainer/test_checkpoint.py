@@ -65,7 +65,7 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
 @pytest.mark.distributed
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
     """FSDP on 2 gloo ranks: a run killed after its step-4 checkpoint, resumed to 8, equals a straight run;
-    the data position is one global item (any DP layout resumes it: tests/e2e/test_reliability.py)."""
+    the data position is one global item (any DP layout resumes it: tests/e2e/test_sample_order.py)."""
     rc, straight = drive(tmp_path / "straight", "--training.steps", "8", nproc=2)
     assert rc == 0 and len(straight) == 8
     ckpt = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4"]
