@@ -107,7 +107,7 @@ def kiln_env(
     if launcher != "run_train.sh":
         given = [name for name, value in launcher_vars.items() if value is not None and name != "NGPU"]
         if given:
-            raise ValueError(f"{', '.join(given)} are run_train.sh's; launcher {launcher!r} does not read them")
+            raise ValueError(f"only run_train.sh reads {', '.join(given)}, not launcher {launcher!r}")
         return out
     out.update({name: str(value) for name, value in launcher_vars.items() if value is not None})
     return out
