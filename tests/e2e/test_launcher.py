@@ -5,31 +5,24 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.common import ROOT, tiny_run_args
+from tests.helpers.kiln_process import KilnResult, run_kiln, run_python, start_kiln
 
-RUN_TRAIN = str(ROOT / "run_train.sh")
 TIMEOUT_S = 300
 
 
-def run_train(*args: str, cwd: Path, ngpu: int | str | None = 1, **env: str) -> subprocess.CompletedProcess:
+def run_train(*args: str, cwd: Path, ngpu: int | str | None = 1, **env: str) -> KilnResult:
     """`NGPU=ngpu run_train.sh args` from `cwd`, with `env` on top of this process's environment."""
-    full_env = {**os.environ, **env}
-    if ngpu is not None:
-        full_env["NGPU"] = str(ngpu)
-    return subprocess.run(
-        ["bash", RUN_TRAIN, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    return run_kiln(args, ngpu=ngpu, env=env, cwd=cwd, timeout=TIMEOUT_S)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+def assert_one_line_error(proc: KilnResult, *needles: str) -> str:
     """Exit 2 and one line `kiln: error: ...` holding each needle, the last on stderr; no traceback anywhere.
 
     Before it, stderr may hold only what rank 0 itself printed live before the error ("[rank0]:" lines, e.g.
@@ -227,11 +220,7 @@ def test_sigterm_to_run_train_sh_stops_both_ranks_with_their_line_and_exit_143(t
     """SIGTERM (what a scheduler sends) to run_train.sh with 2 ranks: each rank saves and says so in one line, and
     the launcher ends with the shell's status for SIGTERM, without torchrun's traceback of its own signal."""
     args = tiny_run_args("--training.steps", "10000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000")
-    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
-    proc = subprocess.Popen(
-        ["bash", RUN_TRAIN, *args, "--job.dump_folder", "run"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_kiln([*args, "--job.dump_folder", "run"], ngpu=2, log_rank="0,1", cwd=tmp_path)
     assert proc.stdout is not None
     for line in proc.stdout:  # both ranks log; the first step line means the loop runs
         if "step:  1 " in line:
@@ -291,8 +280,7 @@ def test_exit_now_keeps_the_status_and_what_was_written() -> None:
     """train.py and launch.py end through train.exit_now (no interpreter teardown): the exit status and output
     still buffered (stdout to a pipe is block-buffered) arrive."""
     code = "import sys, train; print('printed'); sys.stderr.write('written'); train.exit_now(3)"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = run_python(code, env={"PYTHONUNBUFFERED": None})
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "printed\n", "written")
 
 
@@ -300,23 +288,9 @@ def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "dirname").symlink_to("/usr/bin/dirname")
-    env = {"PATH": str(bin_dir), "NGPU": "1"}
-    proc = subprocess.run(
-        ["/bin/bash", RUN_TRAIN, "--training.stpes", "1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    env = {"PATH": str(bin_dir)}  # and NGPU=1, nothing else; bash itself is started by its full path
+    proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "neither python nor python3 is on PATH")
     (bin_dir / "python3").symlink_to(sys.executable)
-    proc = subprocess.run(
-        ["/bin/bash", RUN_TRAIN, "--training.stpes", "1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
@@ -23,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kiln_base import internals
 from tests.helpers.distributed import free_port
+from tests.helpers.kiln_process import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 aten = torch.ops.aten
@@ -391,7 +390,7 @@ def test_cpu_float8_conversion_skips_torchaos_triton_patch() -> None:
         "from torchao.float8 import _inductor_patch\n"
         "print(type(model[0]).__name__, _inductor_patch._PATCHED, 'torch._inductor.codegen.triton' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.split()[-3:] == ["Float8Linear", "True", "False"]
 
 
