@@ -324,6 +324,11 @@ class Metrics:
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
     save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
+    enable_wandb: bool = _f(
+        False,
+        "Log the TensorBoard scalars to Weights & Biases from the logging rank (needs the wandb package; project, "
+        "run name and team from WANDB_PROJECT, WANDB_RUN_NAME, WANDB_TEAM).",
+    )
     disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
     peak_tflops: float | None = _f(
         None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE

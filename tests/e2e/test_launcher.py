@@ -320,3 +320,17 @@ def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
         timeout=TIMEOUT_S,
     )
     assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_wandb_without_the_package_is_one_line_before_any_rank(ngpu: int, tmp_path: Path) -> None:
+    """metrics.enable_wandb where wandb is not importable (a sitecustomize hides the installed one): the launcher's
+    check stops the run before torchrun starts a rank."""
+    hide = tmp_path / "no_wandb"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['wandb'] = None  # as if not installed\n")
+    pythonpath = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH", "")) if p)
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--metrics.enable_wandb")
+    proc = run_train(*args, cwd=tmp_path, ngpu=ngpu, PYTHONPATH=pythonpath)
+    assert_one_line_error(proc, "metrics.enable_wandb needs the wandb package, which is not installed")
+    assert "[rank0]" not in proc.stdout and len(proc.stderr.splitlines()) == 1, proc.stdout[-2000:]
