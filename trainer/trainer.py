@@ -154,10 +154,12 @@ class Trainer:
         return loss.detach()
 
     def report_saved_activations(self) -> SavedActivationReport:
-        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
+        training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
+        saved_activations.py), the rest is measured eagerly, and the log says which is which."""
         inputs, labels = next(self.dataloader)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
+        with self.loss_context():
             report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
         self.optimizer.zero_grad()
         if self.is_logging_rank:

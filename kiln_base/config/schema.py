@@ -343,7 +343,9 @@ class Profiling:
     enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
     save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
     saved_activations_report: bool = _f(
-        False, "Run one eager training step, print the bytes kept for backward by producing op, and exit."
+        False,
+        "Run one training step, print the bytes kept for backward by producing op, and exit (compiled regions are "
+        "read from their partitioned graphs).",
     )
 
 
