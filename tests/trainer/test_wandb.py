@@ -135,6 +135,12 @@ def test_wandb_refusing_to_start_is_a_config_error(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    import wandb
+
+    wandb.teardown()  # wandb keeps the settings of its first run in this process (an earlier test's offline mode)
     cfg = parse_args([*tiny_run_args("--job.dump_folder", str(tmp_path)), "--metrics.enable_wandb"])
-    with pytest.raises(ConfigError, match=r"W&B could not start a run: .*API key.*wandb login.*WANDB_MODE=offline"):
-        open_scalar_writers(cfg.metrics, cfg.job.dump_folder, {}, rank=0, log_ranks=["0"])
+    try:
+        with pytest.raises(ConfigError, match=r"W&B could not start a run: .*API key.*wandb login.*WANDB_MODE=offl"):
+            open_scalar_writers(cfg.metrics, cfg.job.dump_folder, {}, rank=0, log_ranks=["0"])
+    finally:
+        wandb.teardown()
