@@ -236,7 +236,7 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
             total += nbytes
     kept.clear()  # drop our references before backward frees the graph
     loss.backward()
-    regions = _regions(model, runs, producer_mode.graph_runs) if producer_mode.graph_runs or compiled else []
+    regions = _regions(model, runs, producer_mode.graph_runs) if compiled else []
     return SavedActivationReport(sorted(rows.values(), key=lambda r: -r.nbytes), total, regions)
 
 
@@ -255,13 +255,12 @@ def _regions(model: nn.Module, runs: dict[str, int], graph_runs: int) -> list[st
     missed = [name for name, n in runs.items() if not n]
     if missed:
         lines.append(f"compiled modules in which no compiled graph ran, measured eagerly: {', '.join(missed)}")
-    compiled = list(runs)
     eager = [
         name
         for name, m in model.named_modules()
         if name
         and any(True for _ in m.parameters(recurse=False))
-        and not any(name == c or name.startswith(c + ".") for c in compiled)
+        and not any(name == c or name.startswith(c + ".") for c in runs)
     ]
     lines.append(
         "measured eagerly (not compiled): " + (", ".join(eager) if eager else "no module") + " and the ops between"
