@@ -28,6 +28,7 @@ from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume
+from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
 from trainer.tools.guards import NonFiniteGuard
@@ -116,10 +117,11 @@ class Trainer:
                 logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
         self.nan_guard = NonFiniteGuard(self.device)
 
-        self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
-        tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
+        log_ranks = os.environ.get("LOG_RANK", "0").split(",")
+        self.is_logging_rank = str(dist.get_rank()) in log_ranks
+        writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
         self.metrics = MetricsLogger(
-            cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
+            cfg.metrics, self.device, self.flops_per_token, writer, self.is_logging_rank, self.float8 is not None
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
@@ -153,10 +155,12 @@ class Trainer:
         return loss.detach()
 
     def report_saved_activations(self) -> SavedActivationReport:
-        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
+        training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
+        saved_activations.py), the rest is measured eagerly, and the log says which is which."""
         inputs, labels = next(self.dataloader)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
+        with self.loss_context():
             report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
         self.optimizer.zero_grad()
         if self.is_logging_rank:

@@ -329,6 +329,11 @@ class Metrics:
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
     save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
+    enable_wandb: bool = _f(
+        False,
+        "Log the TensorBoard scalars to Weights & Biases from the logging rank (needs the wandb package; project, "
+        "run name and team from WANDB_PROJECT, WANDB_RUN_NAME, WANDB_TEAM).",
+    )
     disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
     peak_tflops: float | None = _f(
         None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE
@@ -343,7 +348,9 @@ class Profiling:
     enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
     save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
     saved_activations_report: bool = _f(
-        False, "Run one eager training step, print the bytes kept for backward by producing op, and exit."
+        False,
+        "Run one training step, print the bytes kept for backward by producing op, and exit (compiled regions are "
+        "read from their partitioned graphs).",
     )
 
 

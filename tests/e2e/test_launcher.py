@@ -294,3 +294,38 @@ def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
     (bin_dir / "python3").symlink_to(sys.executable)
     proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_wandb_without_the_package_is_one_line_before_any_rank(ngpu: int, tmp_path: Path) -> None:
+    """metrics.enable_wandb where wandb is not importable (a sitecustomize hides the installed one): the launcher's
+    check stops the run before torchrun starts a rank."""
+    hide = tmp_path / "no_wandb"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['wandb'] = None  # as if not installed\n")
+    pythonpath = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH", "")) if p)
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--metrics.enable_wandb")
+    proc = run_train(*args, cwd=tmp_path, ngpu=ngpu, PYTHONPATH=pythonpath)
+    assert_one_line_error(proc, "metrics.enable_wandb needs the wandb package, which is not installed")
+    assert "[rank0]" not in proc.stdout and len(proc.stderr.splitlines()) == 1, proc.stdout[-2000:]
+
+
+@pytest.mark.distributed
+def test_wandb_two_ranks_one_offline_run(tmp_path: Path) -> None:
+    """NGPU=2, LOG_RANK=1,0: both ranks print step lines; one W&B run, owned by rank 1 (the first named), holds
+    their losses."""
+    from tests.helpers.run_files import read_offline_run
+
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--model.n_layers", "1", "--training.steps", "3")
+    args += ["--metrics.log_freq", "1", "--metrics.enable_wandb"]
+    proc = run_train(
+        *args, cwd=tmp_path, ngpu=2, LOG_RANK="1,0", WANDB_MODE="offline", WANDB_SILENT="true", WANDB_RUN_NAME=""
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank1]:" in proc.stdout and "Weights & Biases: run 'out'" in proc.stdout
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:") and "Weights & Biases" in line]
+    run = read_offline_run(tmp_path / "out")  # exactly one run
+    losses = [
+        line.split("loss:")[1].split()[0] for line in proc.stdout.splitlines() if "[rank1]:" in line and "step:" in line
+    ]
+    assert [f"{run.history[s]['kiln/loss']:.4f}" for s in (1, 2, 3)] == losses

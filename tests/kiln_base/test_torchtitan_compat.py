@@ -197,6 +197,7 @@ MAPPINGS = [
     ),
     (["--comm.mode", "fake_backend"], {"job.dry_run": True}),
     (["--parallelism.pipeline_parallel_degree", "1", "--metrics.no-enable_wandb"], {}),
+    (["--metrics.enable_wandb"], {"metrics.enable_wandb": True}),  # honoured (trainer/components/scalar_writers.py)
 ]
 
 
@@ -239,7 +240,6 @@ REFUSALS = [
         "use tensor_parallel_degree / FSDP",
     ),
     (["--parallelism.context_parallel_degree", "2"], "context_parallel_degree = 2: context parallelism is not"),
-    (["--metrics.enable_wandb"], "--metrics.enable_wandb = true: Weights & Biases is not supported; use metrics."),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
     (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs; kiln trains dense"),
     (["--validation.enable=true"], "--validation.enable = true: validation during training is not supported"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln_base.config import Metrics
+from trainer.components.scalar_writers import ScalarWriters
 
 logger = logging.getLogger("kiln")
 
@@ -107,7 +108,7 @@ class MetricsLogger:
         cfg: Metrics,
         device: torch.device,
         flops_per_token: float,
-        tb_dir: str | None,
+        writer: ScalarWriters | None,
         is_logging_rank: bool,
         float8: bool = False,
     ) -> None:
@@ -121,11 +122,7 @@ class MetricsLogger:
         self.data_time = 0.0
         self._steps_since_log = 0
         self.t_last = time.perf_counter()
-        self.writer = None
-        if tb_dir is not None and cfg.enable_tensorboard and (is_logging_rank or cfg.save_for_all_ranks):
-            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import
-
-            self.writer = SummaryWriter(tb_dir)
+        self.writer = writer  # TensorBoard and W&B (scalar_writers.py); the numerics report writes through it too
         if is_logging_rank:
             fp8 = ", mfu_fp8 against the float8 peak" if float8 else ""
             logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}")
@@ -169,6 +166,7 @@ class MetricsLogger:
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"kiln/{k}", v, step)
+            self.writer.flush()
         self.tokens, self.data_time, self._steps_since_log = 0, 0.0, 0
         self.memory.reset()
         self.t_last = time.perf_counter()
