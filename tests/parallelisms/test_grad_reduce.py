@@ -193,3 +193,29 @@ def _expected(groups: int, replicate: int, tp_norms: int, dtype: str, tp_dtype: 
     if tp_norms:
         out["all_reduce", tp_dtype] = tp_norms
     return out
+
+
+def test_the_start_up_line_names_each_reduction_and_its_precision() -> None:
+    from kiln_base.config import parse_args
+    from parallelisms.grad_reduce import reduction_line
+
+    def line(mode: str, replicate: int, shard: int, tp: int) -> str:
+        training = parse_args(["--training.mixed_precision_reduce", mode]).training
+        return reduction_line(training, replicate, shard, tp, "cuda")
+
+    assert line("float32", 1, 1, 1) == (
+        "Gradient reductions (training.mixed_precision_reduce = float32): none (one data-parallel rank, no TP)"
+    )
+    assert line("bfloat16_wire", 2, 4, 2) == (
+        "Gradient reductions (training.mixed_precision_reduce = bfloat16_wire): FSDP reduce-scatter over 4 ranks: "
+        "bfloat16 on the wire, float32 sum; HSDP all-reduce over 2 replicas: float32 (its inputs are float32 sums "
+        "already); TP all-reduce of partial gradients (norm weights) over 2 ranks: float32 (pytorch#190626 worked "
+        "around)"
+    )
+    assert line("bfloat16", 1, 2, 2).endswith(
+        "FSDP reduce-scatter over 2 ranks: bfloat16; TP all-reduce of partial "
+        "gradients (norm weights) over 2 ranks: bfloat16"
+    )
+    assert line("bfloat16", 1, 1, 2).endswith(
+        "over 2 ranks: float32 (no FSDP: bfloat16 compute under autocast, float32 parameters and gradients)"
+    )
