@@ -113,6 +113,12 @@ def _check_float8_flags(cfg: Float8) -> None:
             f"float8.auto_filter_small_kn: torchao has no size thresholds for recipe_name {cfg.recipe}; "
             "drop the flag and name the Linears to keep in float8.filter_fqns"
         )
+    if cfg.is_nvfp4 and not cfg.emulate:
+        raise ConfigError(
+            "float8.recipe_name nvfp4 runs emulated only: torchao's NVFP4 training kernels need Triton and a Blackwell "
+            "GPU (SM100) and are not wired into kiln; add --float8.emulate (torchao's NVFP4 numerics, high-precision "
+            "matmuls, any device)"
+        )
     if cfg.is_nvfp4 and cfg.numerics_log_freq:
         raise ConfigError(
             "float8.numerics_log_freq: the numerics observatory has no NVFP4 statistics (it measures float8 casts); "
@@ -302,11 +308,6 @@ def check_float8_gpus(cfg: Float8, gpus: list[tuple[str, tuple[int, int]]], rocm
     emulating."""
     if not cfg.enable_float8_linear or cfg.emulate:
         return
-    if cfg.is_nvfp4 and gpus:
-        raise ConfigError(
-            "float8.recipe_name nvfp4 runs emulated only (torchao's NVFP4 training linear, Triton kernels for SM100, "
-            "is not wired into kiln yet); add --float8.emulate"
-        )
     minimum = MIN_ROCM_CAPABILITY if rocm else MIN_CUDA_CAPABILITY
     for name, cap in gpus:
         if cfg.is_mxfp8 and (rocm or cap < MIN_MXFP8_CAPABILITY):
@@ -328,11 +329,6 @@ def check_float8_cpu(cfg: Float8, torch_version: str, cpu_rowwise: bool) -> None
     and skips this."""
     if not cfg.enable_float8_linear or cfg.emulate or cfg.recipe == "tensorwise":
         return
-    if cfg.is_nvfp4:
-        raise ConfigError(
-            "float8.recipe_name nvfp4: NVFP4 kernels need a Blackwell GPU (SM100) and Triton; on a CPU add "
-            "--float8.emulate to emulate them (torchao's NVFP4 numerics, high-precision matmuls)"
-        )
     if cfg.is_mxfp8:
         raise ConfigError(
             f"float8.recipe_name {cfg.recipe}: MXFP8 kernels need a Blackwell GPU (SM100); on a CPU add "
