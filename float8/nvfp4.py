@@ -43,8 +43,8 @@ from kiln_base.config import NVFP4_BLOCK
 # Operand casts: 1 x 16 blocks along the last dim rounded to nearest or stochastically, or 16 x 16 tiles (weights).
 NEAREST, STOCHASTIC, NEAREST_TILES = "nearest", "stochastic", "nearest_16x16"
 CASTS = (NEAREST, STOCHASTIC, NEAREST_TILES)
-# The randomized Hadamard transform's sign vector: one fixed draw for every Linear and rank (torchao draws one per
-# module and makes TP ranks agree); fixed, so checkpoints and layouts need no extra state.
+# The randomized Hadamard transform's sign vector: one fixed pattern of signs for every Linear and rank (torchao draws
+# a random one per module and makes TP ranks agree); fixed, so checkpoints and layouts need no extra state.
 RHT_SIGNS = (1, -1, 1, 1, -1, 1, -1, -1, 1, 1, 1, -1, -1, 1, -1, 1)
 
 # The first-step check's counter while it watches (float8/checks.py): called with True when a GEMM is traced into
@@ -94,6 +94,7 @@ def fake_quantize(x: torch.Tensor, cast: str) -> torch.Tensor:
     from torchao.prototype.mx_formats.constants import F4_E2M1_MAX, F8E4M3_MAX
     from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
+    assert cast in CASTS, cast
     assert x.ndim == 2 and x.shape[-1] % NVFP4_BLOCK == 0, f"NVFP4 needs K divisible by 16, got {tuple(x.shape)}"
     rows, cols = x.shape
     xf = x.float()
