@@ -36,6 +36,7 @@ from torch._ops import (
     OpOverload,  # the type of `torch.ops.aten.mm.default`
 )
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # set_custom_all_gather's base
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter  # and reduce-scatter's
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = [
     "FSDPAllGather",
     "HigherOrderOperator",
+    "FSDPReduceScatter",
     "OpOverload",
     "TorchDispatchMode",
     "is_traceable_wrapper_subclass",
@@ -170,6 +172,42 @@ def fsdp_param_owner(fsdp_param: Any) -> tuple[nn.Module, str]:
     """(module, attribute name) of the parameter an FSDPParam manages. Checked on torch 2.11.0, 2.13.0."""
     info = fsdp_param._module_info
     return info.module, info.param_name
+
+
+def fsdp_reduce_tp_partial_grads_in_reduce_dtype() -> None:
+    """Make FSDP2's all-reduce of TP-partial gradients run in the policy's reduce_dtype (pytorch#190626), process-wide
+    and idempotent.
+
+    With FSDP2 over TP DTensors, a parameter replicated over TP whose gradient is a partial sum (the norm weights
+    under sequence parallel) is all-reduced over the TP mesh by `FSDPParam._get_grad_inner_tensor` (a Partial ->
+    Replicate redistribute) in the gradient's own dtype: bfloat16 with param_dtype bfloat16, even when
+    `MixedPrecisionPolicy(reduce_dtype=float32)` says float32 (its reduce-scatter then sums the bfloat16-rounded
+    result in float32). The wrapper casts every DTensor gradient to the FSDPParam's reduce_dtype first, each rank
+    its own local tensor (`from_local`, no collective), which is what pytorch/pytorch#190627 does upstream and what
+    FSDP's own gradient-accumulation path (`to_accumulated_grad_if_needed`) already did. All of them, not only the
+    partial ones: FSDP's reduce-scatter asserts one gradient dtype per parameter group. The cost is one transient
+    reduce_dtype copy of each gradient before FSDP copies it into its (reduce_dtype) reduce-scatter buffer.
+    Where torch has the fix, the gradient arrives in reduce_dtype and the cast does nothing.
+
+    Checked on torch 2.13.0 (`FSDPParam._get_grad_inner_tensor(self, grad)` and `FSDPParam.reduce_dtype`; torch
+    2.11's source has both, unchanged since 2.4).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    original = FSDPParam._get_grad_inner_tensor
+    if getattr(original, "_kiln_reduce_dtype", False):
+        return
+
+    def get_grad_inner_tensor(self: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = wait_if_async_collective(grad)
+        dtype = self.reduce_dtype
+        if dtype is not None and isinstance(grad, DTensor) and grad.dtype != dtype:
+            local = grad.to_local().to(dtype)
+            grad = DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return original(self, grad)
+
+    get_grad_inner_tensor._kiln_reduce_dtype = True  # type: ignore[attr-defined]  # marks the wrapper as kiln's
+    FSDPParam._get_grad_inner_tensor = get_grad_inner_tensor  # type: ignore[method-assign]
 
 
 def all_gather_single(

@@ -42,6 +42,7 @@ from kiln_base.config import (
 )
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
+from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.seeded_init import init_layout_independent
@@ -110,7 +111,8 @@ class BuiltModel:
     model: Transformer  # on the meta device, float8-converted and parallelized
     args: ModelArgs
     n_params: int  # before sharding: the whole model's
-    flops_per_token: float  # 6N + 12LHQT at the configured seq_len (MFU's numerator per token)
+    flops_per_token: float  # at the configured seq_len under metrics.attention_flops (MFU's numerator per token)
+    flops_per_token_by_convention: dict[str, int]  # "full" (6N + 12LHQT) and "causal" (6N + 6LHQT)
     linear_fqns: list[str]  # every nn.Linear (Float8Linear included), named before AC/compile wrapping
     tp_plan: dict[str, ParallelStyle]  # module FQN -> TP style applied; empty without TP
 
@@ -123,9 +125,18 @@ def build_model(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, float8: Flo
     if float8 is not None:
         float8.convert(model)
     linear_fqns = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    n_params, flops = num_params(model), flops_per_token(args, model, cfg.training.seq_len)
+    n_params = num_params(model)
+    flops = {c: flops_per_token(args, model, cfg.training.seq_len, c) for c in FLOP_CONVENTIONS}
     tp_plan = parallelize_llama(model, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8)
-    return BuiltModel(model, args, n_params, flops, linear_fqns, tp_plan)
+    return BuiltModel(model, args, n_params, flops[cfg.metrics.attention_flops], flops, linear_fqns, tp_plan)
+
+
+def flops_line(flops: dict[str, int], chosen: str) -> str:
+    """Both FLOP counts per token and which one MFU and TFLOP/s use, for the start-up line and the dry run."""
+    return (
+        f"FLOPs/token: {flops['full'] / 1e9:.3f} G attention full (torchtitan, PaLM), {flops['causal'] / 1e9:.3f} G "
+        f"causal (Megatron-LM); MFU and TFLOP/s count {chosen} (metrics.attention_flops)"
+    )
 
 
 def init_seed(seed: int | None) -> int:

@@ -231,6 +231,19 @@ class StopHook(StepHook):
         )
 
 
+class StochasticRoundingSeedHook(StepHook):
+    """nvfp4 rounds gradients stochastically with torch's default generator (float8/nvfp4.py). Reseeding it before
+    every step from (training.seed, step, rank) makes those draws a function of the step alone, so a resumed run
+    rounds exactly as the straight run did (nothing else in a step draws from it). It sets what the step draws,
+    never what it computes with a given draw."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.seed, self.rank = seed, rank
+
+    def pre_step(self, step: int) -> None:
+        torch.manual_seed((self.seed * 1_000_003 + step * 4_099 + self.rank) % 2**63)
+
+
 class Float8ScheduleHook(StepHook):
     """float8.disable_after_step: the switch to high precision before the step after it (float8/converter.py)."""
 
@@ -287,6 +300,8 @@ def build_hooks(
         hooks.append(Float8ScheduleHook(PrecisionSchedule(model, after, t.steps)))
     if float8_on and not (after and start_step >= after):  # resumed past the switch: nothing to check
         hooks.append(Float8CheckHook(model, f8, fsdp_enabled))
+    if float8_on and f8.is_nvfp4 and t.seed is not None:
+        hooks.append(StochasticRoundingSeedHook(t.seed, rank))
     if float8_on and f8.numerics_log_freq:
         folder = os.path.join(cfg.job.dump_folder, "float8_numerics")
         hooks.append(NumericsHook(model, f8, NumericsReport(f8, folder, rank, metrics.is_logging_rank, metrics.writer)))

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
 from kiln_base.errors import CheckpointError
+from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
 from trainer.components.checkpoint import step_dir
@@ -77,14 +78,17 @@ class Trainer:
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
+        flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
         logger.info(
-            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
+            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
+            f"{args.vocab_size}, seq {t.seq_len}; {flops}"
         )
         build.materialize(self.model, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
+        d = self.parallel_dims
+        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard, d.tp, self.device.type))
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"

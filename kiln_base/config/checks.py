@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln_base.config.schema import FROM_CHECKPOINT, MXFP8_BLOCK, Float8, JobConfig, Model, Training
+from kiln_base.config.schema import FROM_CHECKPOINT, Float8, JobConfig, Model, Training
 from kiln_base.errors import ConfigError
 
 
@@ -68,11 +68,11 @@ def check_config(cfg: JobConfig) -> None:
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
-    tokens = t.local_batch_size * t.seq_len
+    tokens, block = t.local_batch_size * t.seq_len, cfg.float8.block_size
     _check(
-        not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or tokens % MXFP8_BLOCK == 0,
-        f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {MXFP8_BLOCK} tokens, but "
-        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {MXFP8_BLOCK}",
+        not cfg.float8.enable_float8_linear or block is None or tokens % block == 0,
+        f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {block} tokens, but "
+        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {block}",
     )
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(
@@ -106,6 +106,7 @@ def _check_float8_flags(cfg: Float8) -> None:
                 ("auto_filter_small_kn", cfg.auto_filter_small_kn),
                 ("numerics_log_freq", cfg.numerics_log_freq > 0),
                 ("high_precision_first_last", cfg.high_precision_first_last > 0),
+                ("high_precision_last", cfg.high_precision_last >= 0),
                 ("disable_after_step", cfg.disable_after_step > 0),
             )
             if on
@@ -120,10 +121,21 @@ def _check_float8_flags(cfg: Float8) -> None:
             f"float8.enable_fsdp_float8_all_gather needs tensorwise scaling, but float8.recipe_name is "
             f"'{cfg.recipe}' (weights are scaled per row); turn the all-gather off or use recipe_name tensorwise"
         )
-    if cfg.auto_filter_small_kn and cfg.is_mxfp8:
+    if cfg.auto_filter_small_kn and cfg.block_size is not None:
         raise ConfigError(
             f"float8.auto_filter_small_kn: torchao has no size thresholds for recipe_name {cfg.recipe}; "
             "drop the flag and name the Linears to keep in float8.filter_fqns"
+        )
+    if cfg.is_nvfp4 and not cfg.emulate:
+        raise ConfigError(
+            "float8.recipe_name nvfp4 runs emulated only: torchao's NVFP4 training kernels need Triton and a Blackwell "
+            "GPU (SM100) and are not wired into kiln; add --float8.emulate (torchao's NVFP4 numerics, high-precision "
+            "matmuls, any device)"
+        )
+    if cfg.is_nvfp4 and cfg.numerics_log_freq:
+        raise ConfigError(
+            "float8.numerics_log_freq: the numerics observatory has no NVFP4 statistics (it measures float8 casts); "
+            "drop the flag with recipe_name nvfp4"
         )
     if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
         raise ConfigError(

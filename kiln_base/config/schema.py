@@ -78,6 +78,9 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, valid: R
 
 
 DTYPES = ("bfloat16", "float32")
+# Gradient reductions (training.mixed_precision_reduce): a dtype, or bfloat16 on the wire with a float32 sum.
+BF16_WIRE = "bfloat16_wire"
+REDUCE_DTYPES = ("float32", "bfloat16", BF16_WIRE)
 
 # bf16 autocast against float32 on CPUs, debug model (docs/config.md, "Mixed precision"): no CPU measured so far
 # runs bf16 faster.
@@ -95,6 +98,9 @@ def resolve_mixed_precision(param: str, device_type: str) -> str:
         return param
     return "bfloat16" if device_type == "cuda" else "float32"
 
+
+# metrics.attention_flops: the two conventions for counting attention matmul FLOPs (models/flops.py).
+ATTENTION_FLOPS = ("full", "causal")
 
 FROM_CHECKPOINT = "from_checkpoint"  # model.flavor: build the shape stored with checkpoint.initial_load_path
 
@@ -203,7 +209,12 @@ class Training:
         "(measured faster there; docs/config.md).",
         ("auto", *DTYPES),
     )
-    mixed_precision_reduce: str = _f("float32", "Gradient reduction dtype under FSDP.", DTYPES)
+    mixed_precision_reduce: str = _f(
+        "float32",
+        "Precision of every gradient reduction (FSDP reduce-scatter, HSDP all-reduce, TP all-reduce of partial "
+        "gradients): float32, bfloat16, or bfloat16_wire (bfloat16 on the wire, float32 sum; docs/parallelisms.md).",
+        REDUCE_DTYPES,
+    )
     compile: bool = _f(False, "torch.compile each transformer block.")
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (automatic GC is disabled).", valid=AT_LEAST_1)
     seed: int | None = _f(
@@ -269,6 +280,13 @@ class ActivationCheckpoint:
 # contraction dim, one power-of-two (e8m0) scale per block, rounded up (rceil); real kernels need Blackwell (SM100).
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
 MXFP8_BLOCK = 32
+# NVFP4 (torchao's NVFP4 training recipe, emulated): e2m1 elements in blocks of 16 with an e4m3 scale each, times one
+# float32 scale per tensor; weights in 16 x 16 tiles, gradients stochastically rounded (float8/nvfp4.py).
+NVFP4 = "nvfp4"
+NVFP4_BLOCK = 16
+# Published NVFP4 practice (NVIDIA's NVFP4 pretraining recipe, torchtitan's NVFP4 converter): keep the last ~15% of
+# the transformer blocks in high precision.
+NVFP4_HIGH_PRECISION_LAST_FRACTION = 0.15
 
 
 @dataclass
@@ -277,8 +295,8 @@ class Float8:
     recipe_name: str | None = _f(
         None,
         "torchao recipe; unset = tensorwise with the flags below. mxfp8_* = MXFP8 (32-element blocks, e8m0 scales; "
-        "Blackwell SM100, or --float8.emulate).",
-        ("tensorwise", "rowwise", "rowwise_with_gw_hp", *MXFP8_RECIPES),
+        "Blackwell SM100, or --float8.emulate). nvfp4 = NVFP4 (4-bit e2m1, 16-element blocks; --float8.emulate).",
+        ("tensorwise", "rowwise", "rowwise_with_gw_hp", *MXFP8_RECIPES, NVFP4),
     )
     enable_fsdp_float8_all_gather: bool = _f(False, "FSDP2 all-gathers weights in float8 (tensorwise only).")
     precompute_float8_dynamic_scale_for_fsdp: bool = _f(
@@ -307,6 +325,12 @@ class Float8:
     high_precision_first_last: int = _f(
         0, "Keep the first N and the last N transformer blocks in high precision.", valid=Range(lo=0)
     )
+    high_precision_last: int = _f(
+        -1,
+        "Keep the last N transformer blocks in high precision; -1 = the recipe's default: the last 15% of the "
+        "blocks (rounded) with nvfp4, none with the float8 recipes.",
+        valid=Range(lo=0, also=(-1,), note="-1 = the recipe's default"),
+    )
     disable_after_step: int = _f(
         0,
         "From the step after this one, every float8 Linear runs in high precision (the end of training); 0 = never.",
@@ -316,6 +340,22 @@ class Float8:
     @property
     def is_mxfp8(self) -> bool:
         return self.recipe in MXFP8_RECIPES
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.recipe == NVFP4
+
+    @property
+    def block_size(self) -> int | None:
+        """Elements per scale along the contraction dim for the block-scaled recipes (MXFP8 32, NVFP4 16)."""
+        return MXFP8_BLOCK if self.is_mxfp8 else NVFP4_BLOCK if self.is_nvfp4 else None
+
+    def high_precision_last_blocks(self, n_layers: int) -> int:
+        """How many of the last blocks stay in high precision: high_precision_last, or the recipe's default (nvfp4:
+        15% of the blocks, rounded half up: 5 of Llama 3 8B's 32, 1 of the debug model's 6, 0 of 1-3 blocks)."""
+        if self.high_precision_last >= 0:
+            return self.high_precision_last
+        return math.floor(NVFP4_HIGH_PRECISION_LAST_FRACTION * n_layers + 0.5) if self.is_nvfp4 else 0
 
     @property
     def recipe(self) -> str:
@@ -337,6 +377,12 @@ class Metrics:
     disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
     peak_tflops: float | None = _f(
         None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE
+    )
+    attention_flops: str = _f(
+        "full",
+        "How MFU and TFLOP/s count the attention matmuls: full (every query-key pair: torchtitan, PaLM) or causal "
+        "(half of them, what a causal mask computes: Megatron-LM). docs/metrics.md.",
+        ATTENTION_FLOPS,
     )
 
 

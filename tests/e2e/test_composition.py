@@ -1,6 +1,6 @@
 """Every pair of (precision, layout, activation checkpointing, compile) values trained end to end.
 
-The axes are what a user combines on the command line. Testing every combination (5 x 5 x 3 x 2 = 150 runs)
+The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 2 = 180 runs)
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
 construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
@@ -46,6 +46,7 @@ PRECISIONS: dict[str, tuple[str, ...]] = {
     ),
     "rowwise": (*F8, "rowwise"),
     "rowwise_gw_hp": (*F8, "rowwise_with_gw_hp"),
+    "nvfp4": (*F8, "nvfp4", "--float8.emulate"),  # emulated NVFP4 (float8/nvfp4.py); 2 blocks: none kept high
 }
 P = "--parallelism."
 # name -> (world size, arguments)
@@ -241,9 +242,10 @@ def _check_trains(cell: Cell, result: dict[str, Any], ref: dict[str, Any]) -> No
     if cell.precision == "bf16":
         assert f8 == [], f8  # no float8 conversion, so no check either
         return
-    assert any(re.match(r"float8 in use: [1-9]\d*/\d+ Linears are Float8Linear", line) for line in f8), f8
+    kind, what = ("NVFP4Linear", "emulated NVFP4") if cell.precision == "nvfp4" else ("Float8Linear", "float8")
+    assert any(re.match(rf"float8 in use: [1-9]\d*/\d+ Linears are {kind}", line) for line in f8), f8
     how = "traced into compiled graphs" if cell.compile == "compile" else "ran"
-    assert any(re.match(rf"float8 in use: float8 matmuls in the first step: .*[1-9]\d* {how}", x) for x in f8), f8
+    assert any(re.match(rf"float8 in use: {what} matmuls in the first step: .*[1-9]\d* {how}", x) for x in f8), f8
     if cell.precision == "tensorwise_ag":
         assert any("FSDP all-gathers" in line and "as 1-byte float8" in line for line in f8), f8
 
@@ -263,7 +265,7 @@ def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     from models import LLAMA3_FLAVORS
 
     refused = [c for c in all_cells() if excluded(c) and "refused" in excluded(c)]
-    assert len(refused) == 4 + 5  # tp2 (no float8 all-gather there) and fsdp2xtp2, each with layer AC + compile
+    assert len(refused) == 5 + 6  # tp2 (no float8 all-gather there) and fsdp2xtp2, each with layer AC + compile
     for cell in refused:
         cfg = parse_args(cell.argv(str(tmp_path)))
         with pytest.raises(ConfigError, match="fails in"):

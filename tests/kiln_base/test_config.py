@@ -50,7 +50,8 @@ def test_optional_fields_accept_none() -> None:
 
 def test_every_key_has_help_and_print_config_round_trips(tmp_path: Path) -> None:
     text = format_help()
-    assert "--float8.recipe_name {tensorwise,rowwise,rowwise_with_gw_hp,mxfp8_rceil,mxfp8_rceil_wgrad_with_hp}" in text
+    recipes = "tensorwise,rowwise,rowwise_with_gw_hp,mxfp8_rceil,mxfp8_rceil_wgrad_with_hp,nvfp4"
+    assert f"--float8.recipe_name {{{recipes}}}" in text
     cfg = parse_args(["--training.steps", "3", "--float8.enable_float8_linear", "--float8.recipe_name", "rowwise"])
     out = tmp_path / "merged.toml"
     out.write_text(to_toml(cfg))

@@ -177,6 +177,67 @@ def test_custom_fsdp_all_gather_and_all_gather_single_on_two_ranks() -> None:
         assert gathered == [0.0, 1.0]
 
 
+def _fsdp_tp_gradient_reductions() -> tuple[list[str], list[str], list[str]]:
+    """FSDP (1 data-parallel rank) over a TP 2 sequence-parallel RMSNorm + Linear, bfloat16 params, reduce_dtype
+    float32: the dtypes of FSDP's all-reduces of the norm's TP-partial gradient without, then with
+    fsdp_reduce_tp_partial_grads_in_reduce_dtype; and the dtypes a custom reduce-scatter (FSDPReduceScatter) got."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    class Spy(internals.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if str(func) == "_c10d_functional.all_reduce.default":
+                self.dtypes.append(str(args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    class Recording(internals.FSDPReduceScatter):
+        def __init__(self) -> None:
+            self.dtypes: list[str] = []
+
+        def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+            self.dtypes.append(str(input_tensor.dtype))
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(32), nn.Linear(32, 32, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1))})
+    fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    comm = Recording()
+    model.set_custom_reduce_scatter(comm)
+    dtypes = []
+    for fixed in (False, True):
+        if fixed:
+            internals.fsdp_reduce_tp_partial_grads_in_reduce_dtype()
+            internals.fsdp_reduce_tp_partial_grads_in_reduce_dtype()  # idempotent: one wrapper
+        with Spy() as spy:
+            model(torch.randn(2, 8, 32)).sum().backward()
+        dtypes.append(spy.dtypes)
+    return dtypes[0], dtypes[1], comm.dtypes
+
+
+@pytest.mark.distributed
+def test_pytorch_190626_and_its_workaround() -> None:
+    """torch all-reduces a TP-partial gradient in bfloat16 although reduce_dtype is float32 (pytorch#190626); with
+    the workaround, in float32, and FSDP's reduce-scatter (a custom FSDPReduceScatter here) gets float32 either way.
+    If the first assert fails, torch has fixed the bug (pytorch/pytorch#190627) and the workaround can go."""
+    from tests.helpers.distributed import run_distributed
+
+    for without, with_fix, reduce_scatter in run_distributed(_fsdp_tp_gradient_reductions, 4):
+        assert without == ["torch.bfloat16"], without
+        assert with_fix == ["torch.float32"], with_fix
+        assert reduce_scatter == ["torch.float32", "torch.float32"], reduce_scatter
+
+
 def test_all_gather_single(world1: None) -> None:
     out = torch.zeros(3)
     internals.all_gather_single(out, torch.tensor([1.0, 2.0, 3.0]))

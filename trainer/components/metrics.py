@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln_base.config import Metrics
+from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from trainer.components.scalar_writers import ScalarWriters
 
 logger = logging.getLogger("kiln")
@@ -112,6 +113,7 @@ class MetricsLogger:
         is_logging_rank: bool,
         float8: bool = False,
     ) -> None:
+        """`flops_per_token` is counted under cfg.attention_flops (models/flops.py); mfu and tflops use it."""
         self.cfg = cfg
         self.float8 = float8  # also report mfu_fp8, against the float8 peak
         self.flops_per_token = flops_per_token
@@ -125,7 +127,10 @@ class MetricsLogger:
         self.writer = writer  # TensorBoard and W&B (scalar_writers.py); the numerics report writes through it too
         if is_logging_rank:
             fp8 = ", mfu_fp8 against the float8 peak" if float8 else ""
-            logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}")
+            logger.info(
+                f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}; "
+                f"FLOPs with {FLOP_CONVENTIONS[cfg.attention_flops]} (metrics.attention_flops)"
+            )
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0

@@ -57,6 +57,16 @@ def training_settings(
     """The settings a checkpoint is saved with (plain JSON types), keyed as the table in docs/checkpoint.md."""
     t, o, f8 = cfg.training, cfg.optimizer, cfg.float8
     model = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in _INIT_ONLY}
+    float8 = {
+        "enable_float8_linear": f8.enable_float8_linear,
+        "recipe_name": f8.recipe_name,
+        "filter_fqns": list(f8.filter_fqns),
+        "auto_filter_small_kn": f8.auto_filter_small_kn,
+        "high_precision_first_last": f8.high_precision_first_last,
+        "disable_after_step": f8.disable_after_step,
+    }
+    if f8.high_precision_last >= 0:  # saved only when set: checkpoints from before the key read as its default
+        float8["high_precision_last"] = f8.high_precision_last
     return {
         "data": data,  # files and sizes (not their folder: moved data is the same data), or the hub id
         "model.tokenizer": tokenizer_sha256,
@@ -71,14 +81,7 @@ def training_settings(
         "optimizer.eps": o.eps,
         "optimizer.weight_decay": o.weight_decay,
         "training.global_batch_size": global_batch_size,
-        "float8": {
-            "enable_float8_linear": f8.enable_float8_linear,
-            "recipe_name": f8.recipe_name,
-            "filter_fqns": list(f8.filter_fqns),
-            "auto_filter_small_kn": f8.auto_filter_small_kn,
-            "high_precision_first_last": f8.high_precision_first_last,
-            "disable_after_step": f8.disable_after_step,
-        },
+        "float8": float8,
         "training.mixed_precision_param": t.mixed_precision_param,
     }
 
