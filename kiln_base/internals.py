@@ -31,13 +31,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 # Re-exported: these live only under private module paths. Checked on torch 2.11.0, 2.13.0.
-from torch._ops import OpOverload  # the type of `torch.ops.aten.mm.default`
+from torch._ops import (
+    HigherOrderOperator,
+    OpOverload,
+)  # the types of torch.ops.higher_order.x, torch.ops.aten.mm.default
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # set_custom_all_gather's base
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FSDPAllGather", "OpOverload", "TorchDispatchMode", "is_traceable_wrapper_subclass", "tree_leaves"]
+__all__ = [
+    "FSDPAllGather",
+    "HigherOrderOperator",
+    "OpOverload",
+    "TorchDispatchMode",
+    "is_traceable_wrapper_subclass",
+    "tree_leaves",
+]
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -468,3 +478,49 @@ def partitioned_graphs_backend(graphs: list[tuple[str, Any]]) -> Any:
     return aot_autograd(
         fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition
     )
+
+
+# ----------------------------------------------------------------------------- compile: guards and counters
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Compile `t`'s dimension `dim` as a symbolic size from the first call on (torch._dynamo.mark_dynamic), so a
+    compiled region taking tensors whose length changes every call compiles once instead of recompiling for the
+    second length seen. Checked on torch 2.13.0."""
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def dynamo_graphs_compiled() -> int:
+    """How many graphs dynamo has produced in this process so far (torch._dynamo.utils.counters, stats /
+    unique_graphs): every compile and every recompile adds one; a call served by a cached graph adds none.
+    Checked on torch 2.13.0."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ----------------------------------------------------------------------------- flex attention
+
+
+@contextlib.contextmanager
+def cpu_flex_backward() -> Iterator[None]:
+    """Let eager flex_attention take CPU inputs that require grad while active: measurements and tests only.
+
+    torch refuses them (`torch.nn.attention.flex_attention._validate_device`: "FlexAttention does not support backward
+    on CPU"), yet its eager implementation, the unfused reference that materialises the scores, has a backward on
+    any device; inductor's compiled backward is Triton only, so compiled code stays refused. kiln's CPU runs evaluate
+    a block mask densely for SDPA instead (models/attention.py); this lets a test run the flex kernel's own path on a
+    CPU, e.g. to see what per-op SAC keeps of it. Checked on torch 2.13.0."""
+    import torch.nn.attention.flex_attention as flex
+
+    original = flex._validate_device
+
+    def validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type != "cpu":
+            original(query, key, value)
+
+    flex._validate_device = validate
+    try:
+        yield
+    finally:
+        flex._validate_device = original

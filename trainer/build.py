@@ -66,19 +66,25 @@ def process_group(cfg: JobConfig) -> tuple[torch.device, PeerWatch | None]:
     return device, peers
 
 
-def model_args(m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None) -> ModelArgs:
+def model_args(
+    m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None, bos_id: int | None = None
+) -> ModelArgs:
     """The shape to build: the flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the model.*
     overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path (`source`),
-    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked."""
+    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked.
+
+    `seq_len`: the longest sequence the run feeds (the RoPE table's length); `bos_id`: the tokenizer's BOS, where
+    a document starts under a document-masked flavor."""
     if m.flavor == FROM_CHECKPOINT:
         assert source is not None, "config checks require checkpoint.initial_load_path with from_checkpoint"
         check_overrides_match_stored(m, dataclasses.asdict(source.args), source.path)
-        args = dataclasses.replace(source.args, max_seq_len=seq_len)
+        args = dataclasses.replace(source.args, max_seq_len=seq_len, bos_id=bos_id)
         check_model_shape(m, args.shape(), tokenizer_words, source.path)
         return args
     overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
     args = dataclasses.replace(
-        LLAMA3_FLAVORS[m.flavor], **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len}
+        LLAMA3_FLAVORS[m.flavor],
+        **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len, "bos_id": bos_id},
     )
     check_model_shape(m, args.shape(), tokenizer_words)
     if source is not None:

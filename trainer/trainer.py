@@ -43,6 +43,19 @@ def log_precision(param: str, precision: str, device_type: str) -> None:
         logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
 
 
+def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_type: str) -> None:
+    """One start-up line on how the model attends (models/attention.py), and what runs it on this device."""
+    if mask_type == "causal":
+        logger.info("Attention: causal (scaled_dot_product_attention)")
+        return
+    kernel = {"flex": "flex_attention", "varlen": "varlen_attn"}[attn_type]
+    if attn_type == "flex" and device_type == "cpu":
+        kernel = "scaled_dot_product_attention with the block mask evaluated densely (no flex backward on a CPU)"
+    logger.info(
+        f"Attention: {mask_type}: causal within each document, a document starting at token {bos_id} (BOS); {kernel}"
+    )
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
@@ -66,7 +79,7 @@ class Trainer:
         self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source)
+        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
         dp_degree = self.parallel_dims.dp_degree
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
@@ -79,6 +92,7 @@ class Trainer:
             f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
         )
+        log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
         build.materialize(self.model, self.device)
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)

@@ -180,6 +180,7 @@ class ModelShape:
     n_kv_heads: int  # n_heads when the flavor has plain multi-head attention
     ffn_hidden_dim: int
     vocab_size: int
+    attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
 
 
 SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
@@ -241,6 +242,13 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
     ):
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")
+    if shape.attn_type == "varlen" and device_type != "cuda":
+        flavor = cfg.model.flavor
+        flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
+        raise ConfigError(
+            f"model.flavor {flavor}: varlen attention runs flash attention's variable-length kernel, which needs "
+            f"CUDA; this run is on {device_type}: use {flex} (the same document mask, through flex attention)"
+        )
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     if p.enable_async_tensor_parallel:
         if device_type != "cuda":

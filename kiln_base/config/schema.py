@@ -98,6 +98,19 @@ def resolve_mixed_precision(param: str, device_type: str) -> str:
 
 FROM_CHECKPOINT = "from_checkpoint"  # model.flavor: build the shape stored with checkpoint.initial_load_path
 
+# Meta's published shapes (models/args.py builds each). Every one also comes as document-masked variants that
+# differ only in attention (torchtitan's naming: debugmodel_flex_attn, debugmodel_varlen_attn, 8B_flex, 8B_varlen).
+BASE_FLAVORS = ("debugmodel", "8B", "70B", "405B", "3.1-8B", "3.1-70B", "3.1-405B", "3.2-1B", "3.2-3B")
+ATTENTION_VARIANTS = ("flex", "varlen")  # models.args: attn_type, with attn_mask_type block_causal
+
+
+def attention_flavor(base: str, attn_type: str) -> str:
+    """The flavor name of `base` with `attn_type` attention: torchtitan's `debugmodel_flex_attn`, `8B_flex`."""
+    return f"{base}_{attn_type}_attn" if base == "debugmodel" else f"{base}_{attn_type}"
+
+
+FLAVORS = (*BASE_FLAVORS, *(attention_flavor(b, a) for a in ATTENTION_VARIANTS for b in BASE_FLAVORS))
+
 
 @dataclass
 class Job:
@@ -114,19 +127,10 @@ class Model:
     flavor: str = _f(
         "debugmodel",
         "Model shape: Llama 3 (8B, 70B, 405B), 3.1 (llama3 rope scaling, 131072 context), 3.2 (tied embeddings), or "
-        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json).",
-        (
-            "debugmodel",
-            "8B",
-            "70B",
-            "405B",
-            "3.1-8B",
-            "3.1-70B",
-            "3.1-405B",
-            "3.2-1B",
-            "3.2-3B",
-            FROM_CHECKPOINT,
-        ),
+        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json). "
+        "<flavor>_flex (debugmodel_flex_attn) and <flavor>_varlen (debugmodel_varlen_attn, CUDA only): the same "
+        "shape with document-masked attention (block_causal: no attention across the BOS that starts a document).",
+        (*FLAVORS, FROM_CHECKPOINT),
     )
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
     n_layers: int | None = _f(

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from kiln_base.internals import (
+    HigherOrderOperator,
     OpOverload,
     TorchDispatchMode,
     capture_sac_caches,
@@ -81,7 +82,9 @@ class SavedActivationReport:
         return "\n".join(lines)
 
 
-def _op_name(func: OpOverload) -> str:
+def _op_name(func: OpOverload | HigherOrderOperator) -> str:
+    if isinstance(func, HigherOrderOperator):  # flex attention: torch.ops.higher_order.flex_attention
+        return f"higher_order.{func.name()}"
     name = str(func)
     return name[: -len(".default")] if name.endswith(".default") else name
 
@@ -103,7 +106,10 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 class _ProducerMode(TorchDispatchMode):
-    """Maps each storage written during the step to the (non-aliasing) op that produced it."""
+    """Maps each storage written during the step to the (non-aliasing) op that produced it. A higher-order op (flex
+    attention) is one op: its outputs are attributed to it, the ops it runs inside are not seen."""
+
+    supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
