@@ -8,6 +8,7 @@
     build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
     materialize        to_empty + init_weights on the device
     optimizer          AdamW + the LR schedule
+    validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
 
 Each phase is a function of what it needs, never of the Trainer; the hooks phase is `trainer.hooks.build_hooks`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +47,12 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.checkpoint_folder import FolderClaim
-from trainer.components.data import DataLoader, build_dataloader, dataset_fingerprint
+from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.initial_load import InitialSource, check_not_inside
 from trainer.components.resume import file_sha256, training_settings
 from trainer.components.tokenizer import Tokenizer
+from trainer.components.validate import Validator
 
 logger = logging.getLogger("kiln")
 
@@ -107,6 +110,27 @@ def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch
     """This data-parallel rank's slice of every global batch (ranks of one TP group read the same batches)."""
     dp_rank = dims.dp_mesh.get_local_rank()
     return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
+
+
+def validator(
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    dims: ParallelDims,
+    device: torch.device,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    global_mean: Callable[[torch.Tensor], float],
+) -> Validator | None:
+    """With validation.enable, the validator: this data-parallel rank's slice of the validation set's batches
+    (opened afresh each validation), the training forward and loss (`loss_of`), the average over the ranks."""
+    if not cfg.validation.enable:
+        return None
+    dp_rank = dims.dp_mesh.get_local_rank()
+
+    def open_loader() -> DataLoader:
+        pin = device.type == "cuda"
+        return build_validation_loader(cfg.validation, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
+
+    return Validator(open_loader, loss_of, global_mean, cfg.validation.steps, device)
 
 
 @dataclass

@@ -16,7 +16,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
+from kiln_base.config import (
+    CPU_BF16_COST,
+    JobConfig,
+    grad_accum_steps,
+    resolve_mixed_precision,
+    validation_shape,
+)
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
 from trainer.components.checkpoint import step_dir
@@ -79,7 +85,9 @@ class Trainer:
         self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source, self.tokenizer.bos_id)
+        # The RoPE table covers the longest sequence the run feeds: training's, or validation's when longer.
+        longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
+        args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
         dp_degree = self.parallel_dims.dp_degree
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
@@ -104,6 +112,9 @@ class Trainer:
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
+        self.validator = build.validator(
+            cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
+        )
 
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -152,6 +163,13 @@ class Trainer:
         with self.amp:
             logits = self.model(inputs)
         return self.loss_fn(logits, labels)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The forward and loss of one batch as training computes them, without backward (validation; the caller
+        holds torch.no_grad): the mean loss over this rank's tokens."""
+        with self.loss_context():
+            loss = self.forward_loss(inputs, labels)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
@@ -224,6 +242,7 @@ class Trainer:
             self.nan_guard,
             self._global_mean_loss,
             self.losses,
+            self.validator,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:

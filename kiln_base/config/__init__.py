@@ -65,8 +65,10 @@ from kiln_base.config.schema import (
     Profiling,
     Range,
     Training,
+    Validation,
     attention_flavor,
     resolve_mixed_precision,
+    validation_shape,
 )
 
 __all__ = [
@@ -105,6 +107,7 @@ __all__ = [
     "SHAPE_OVERRIDES",
     "TIMEOUT",
     "Training",
+    "Validation",
     "attention_flavor",
     "check_config",
     "check_float8_cpu",
@@ -124,4 +127,5 @@ __all__ = [
     "resolve_mixed_precision",
     "resolve_output_path",
     "to_toml",
+    "validation_shape",
 ]

@@ -18,7 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln_base.config.schema import FROM_CHECKPOINT, MXFP8_BLOCK, Float8, JobConfig, Model, Training
+from kiln_base.config.schema import (
+    FROM_CHECKPOINT,
+    MXFP8_BLOCK,
+    Float8,
+    JobConfig,
+    Model,
+    Training,
+    validation_shape,
+)
 from kiln_base.errors import ConfigError
 
 
@@ -73,10 +81,11 @@ def check_config(cfg: JobConfig) -> None:
             f"model.tokenizer_path: file not found: {cfg.model.tokenizer_path} "
             "(point it at a tiktoken BPE file such as Llama3's tokenizer.model)",
         )
-        if t.dataset_path is not None:
+        val_path = cfg.validation.dataset_path if cfg.validation.enable else None  # read only when validating
+        for section, path in (("training", t.dataset_path), ("validation", val_path)):
             _check(
-                os.path.exists(t.dataset_path),
-                f"training.dataset_path: not found: {t.dataset_path} (a jsonl/json/parquet/txt file or folder)",
+                path is None or os.path.exists(path),
+                f"{section}.dataset_path: not found: {path} (a jsonl/json/parquet/txt file or folder)",
             )
 
 
@@ -163,6 +172,12 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
     if cfg.training.seq_len % tp:  # sequence parallel splits every sequence into tp pieces
         raise ConfigError(
             f"training.seq_len ({cfg.training.seq_len}) must be divisible by tensor_parallel_degree ({tp})"
+        )
+    val_seq_len = validation_shape(cfg.validation, cfg.training)[1]
+    if cfg.validation.enable and val_seq_len % tp:
+        raise ConfigError(
+            f"validation.seq_len ({val_seq_len}) must be divisible by tensor_parallel_degree ({tp}) "
+            "(unset, it is training.seq_len)"
         )
 
 

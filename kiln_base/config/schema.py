@@ -217,6 +217,37 @@ class Training:
 
 
 @dataclass
+class Validation:
+    """torchtitan's [validation]: the loss on held-out data every `freq` steps, outside training (no gradients, no
+    change to the training data's position, the RNG or the weights)."""
+
+    enable: bool = _f(False, "Measure the loss on held-out data at step 1 and every validation.freq steps.")
+    dataset: str = _f(
+        "kiln_corpus_validation",
+        "Registered dataset name: kiln_corpus_validation (the bundled corpus's held-out split), c4_validation "
+        "(allenai/c4 en, split validation, streamed).",
+    )
+    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides validation.dataset.")
+    local_batch_size: int | None = _f(
+        None, "Sequences per device per validation batch; unset = training.local_batch_size.", valid=AT_LEAST_1
+    )
+    seq_len: int | None = _f(None, "Tokens per validation sequence; unset = training.seq_len.", valid=AT_LEAST_1)
+    freq: int = _f(10, "Validate at step 1 and every N steps.", valid=AT_LEAST_1)
+    steps: int = _f(
+        -1,
+        "Validation batches per validation (each over all data-parallel ranks), from the set's start; -1 = the "
+        "whole set. A set shorter than this is validated whole, with a warning.",
+        valid=Range(lo=1, also=(-1,), note="-1 = the whole validation set"),
+    )
+
+
+def validation_shape(v: Validation, t: Training) -> tuple[int, int]:
+    """(local batch size, seq_len) of validation batches: validation's keys, training's where they are unset."""
+    batch = t.local_batch_size if v.local_batch_size is None else v.local_batch_size
+    return batch, t.seq_len if v.seq_len is None else v.seq_len
+
+
+@dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = _f(1, "DDP/HSDP replicas (across nodes).", valid=AT_LEAST_1)
     data_parallel_shard_degree: int = _f(
@@ -361,6 +392,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)

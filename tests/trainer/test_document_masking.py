@@ -94,11 +94,12 @@ class GraphCount(StepHook):
 def test_compiled_blocks_take_a_new_mask_every_batch_without_recompiling(
     tiny_args: Callable[..., list[str]], make_trainer: Callable, tmp_path: Path
 ) -> None:
-    """Compiled per-op-SAC blocks fed a new block mask every batch (documents in new places): every graph is
-    compiled in step 1; none after."""
+    """Compiled per-op-SAC blocks fed a new block mask every batch (documents in new places), with validation every
+    second step: every graph is compiled in step 1 (training's, and validation's inference graphs); none after."""
     argv = tiny_args(
         *("--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "2", "--training.seq_len", "64"),
         *("--training.compile", "--training.steps", "5", "--metrics.log_freq", "1"),
+        *("--validation.enable", "--validation.freq", "2", "--validation.steps", "2"),
         ac="selective",
     )
     argv += ["--activation_checkpoint.selective_ac_option", "op"]
@@ -113,6 +114,7 @@ def test_compiled_blocks_take_a_new_mask_every_batch_without_recompiling(
     trainer.train(extra_hooks=[counts])
     assert counts.after[1] > 0
     assert counts.after[5] == counts.after[1], counts.after
+    assert sorted(trainer.validator.losses) == [1, 2, 4]
 
 
 def test_resuming_under_another_attention_warns() -> None:
