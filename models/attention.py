@@ -105,8 +105,8 @@ def dense_mask(mask: BlockMask, bs: int, seq: int, device: torch.device) -> torc
 
 
 def flex_trains_on(device: torch.device) -> bool:
-    """Whether flex_attention has a backward on `device`: not on a CPU (torch 2.11-2.13 refuse a CPU input that
-    requires grad, eager and compiled; inductor's flex backward is Triton only)."""
+    """Whether flex_attention has a backward on `device`: not on a CPU (torch 2.13 refuses a CPU input that requires
+    grad, eager and compiled; inductor's flex backward is Triton only; 2.11 unchecked)."""
     return device.type != "cpu"
 
 

@@ -25,6 +25,7 @@ from kiln_base.config.schema import (
     JobConfig,
     Model,
     Training,
+    resolve_mixed_precision,
     validation_shape,
 )
 from kiln_base.errors import ConfigError
@@ -263,6 +264,12 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
         raise ConfigError(
             f"model.flavor {flavor}: varlen attention runs flash attention's variable-length kernel, which needs "
             f"CUDA; this run is on {device_type}: use {flex} (the same document mask, through flex attention)"
+        )
+    param = cfg.training.mixed_precision_param
+    if shape.attn_type == "varlen" and resolve_mixed_precision(param, device_type) != "bfloat16":
+        raise ConfigError(
+            f"model.flavor {cfg.model.flavor}: varlen attention (flash attention) computes in bfloat16 or float16, "
+            f"but training.mixed_precision_param is {param}; use bfloat16 (or auto), or a _flex flavor"
         )
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     if p.enable_async_tensor_parallel:

@@ -47,6 +47,9 @@ def test_varlen_needs_cuda() -> None:
         "model.flavor 8B_varlen: varlen attention runs flash attention's variable-length kernel, which needs CUDA; "
         "this run is on cpu: use model.flavor 8B_flex (the same document mask, through flex attention)"
     )
+    fp32 = parse_args(["--model.flavor", "8B_varlen", "--training.mixed_precision_param", "float32", "--job.dry_run"])
+    with pytest.raises(ConfigError, match="varlen attention .flash attention. computes in bfloat16 or float16"):
+        check_parallel_plan(fp32, shape, "cuda")
     flex = dataclasses.replace(shape, attn_type="flex")
     check_parallel_plan(parse_args(["--model.flavor", "8B_flex", "--job.dry_run"]), flex, "cpu")
 
