@@ -32,9 +32,9 @@ import torch.nn as nn
 
 # Re-exported: these live only under private module paths. Checked on torch 2.11.0, 2.13.0.
 from torch._ops import (
-    HigherOrderOperator,
-    OpOverload,
-)  # the types of torch.ops.higher_order.x, torch.ops.aten.mm.default
+    HigherOrderOperator,  # the type of `torch.ops.higher_order.*` (in compiled graphs)
+    OpOverload,  # the type of `torch.ops.aten.mm.default`
+)
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # set_custom_all_gather's base
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -109,7 +109,9 @@ def capture_sac_caches() -> Iterator[list[Any]]:
     """Collect every per-op SAC caching mode (`torch.utils.checkpoint._CachingTorchDispatchMode`) created inside.
 
     Their `.storage` holds what SAC keeps for backward; read it with `sac_cached_tensors` before backward
-    consumes it. Checked on torch 2.11.0, 2.13.0 (the class and its `__init__` storing `.storage`).
+    consumes it. Modes created while torch.compile traces a checkpointed region hold its fake tensors, not memory:
+    left out (the compiled partition decides what such a region keeps). Checked on torch 2.11.0, 2.13.0 (the class
+    and its `__init__` storing `.storage`).
     """
     import torch.utils.checkpoint as torch_checkpoint
 
@@ -119,7 +121,8 @@ def capture_sac_caches() -> Iterator[list[Any]]:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        modes.append(self)
+        if not torch.compiler.is_compiling():
+            modes.append(self)
 
     cls.__init__ = init  # type: ignore[method-assign]  # patched for the block, restored below
     try:
@@ -195,6 +198,15 @@ def dtensor_local_tensor(t: Any) -> torch.Tensor:
 def local_tensor_or_self(t: Any) -> Any:
     """A DTensor's local shard object (`_local_tensor`, torch 2.11, 2.13); any other tensor itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def shard_offset(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of DTensor `t` (uneven FSDP shards included). Checked on
+    torch 2.11.0, 2.13.0 (`torch.distributed.tensor._utils.compute_local_shape_and_global_offset`)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
@@ -478,6 +490,54 @@ def partitioned_graphs_backend(graphs: list[tuple[str, Any]]) -> Any:
     return aot_autograd(
         fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition
     )
+
+
+def inductor_partition_backend(around_forward: Any) -> Any:
+    """A torch.compile backend that splits each graph into forward and backward exactly as inductor decides:
+    inductor's decompositions and its partition function (its joint-graph passes, then the min-cut partitioner
+    with compiler="inductor"), then runs both graphs eagerly instead of generating code. The forward graph's
+    outputs past the user's are the tensors saved for backward, as in an inductor-compiled run; each forward runs
+    inside `around_forward()` (a context manager), so an observer can tell graph work from eager work.
+    Checked on torch 2.11.0, 2.13.0 (`torch._inductor.compile_fx.partition_fn`, `torch._inductor.decomposition.
+    select_decomp_table`, `torch._dynamo.backends.common.aot_autograd`)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    def forward_compiler(gm: Any, _example_inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            with around_forward():
+                return gm(*args)
+
+        return make_boxed_func(run)
+
+    def backward_compiler(gm: Any, _example_inputs: Any) -> Any:
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=backward_compiler,
+        partition_fn=partition_fn,
+        decompositions=select_decomp_table(),
+    )
+
+
+class CompileTransparentDispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode under which torch.compile still compiles: dynamo turns the mode off while it traces
+    and compiles, and back on while compiled code runs (`ignore_compile_internals`). Under a plain TorchDispatchMode
+    torch 2.13's dynamo skips every frame ("non-infra torch dispatch mode present"): compiled code runs eagerly.
+    With a backend that runs its graphs eagerly (inductor_partition_backend) the mode sees the graphs' ops, higher
+    order ones included (a compiled checkpointed block runs `run_and_save_rng_state`): `__torch_dispatch__` gets
+    them too (`supports_higher_order_operators`) and must call them like any op. Checked on torch 2.11.0, 2.13.0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
 
 # ----------------------------------------------------------------------------- compile: guards and counters

@@ -8,14 +8,42 @@ Blocks take (x, freqs_cis, attention_mask): the mask is None for causal attentio
 """
 
 import math
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln_base.internals import unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
 from models.attention import SUPPORTED, AttentionMask, attend, block_causal_mask, varlen_mask
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one parameter is initialised: `normal` (mean 0, `std`), `trunc_normal` (mean 0, `std`, cut at +-`cut`
+    stds) or `ones`. Elementwise, so any slice of a tensor can be filled on its own (the layout-independent init of
+    parallelisms/seeded_init.py fills each rank's shard from the full tensor's values)."""
+
+    kind: str
+    std: float = 1.0
+    cut: float = 2.0  # nn.init.trunc_normal_'s default bounds are +-2 (absolute): see `fill_`
+
+    def fill_(self, t: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        if self.kind == "ones":
+            nn.init.ones_(t)
+        elif self.kind == "normal":
+            nn.init.normal_(t, mean=0.0, std=self.std, generator=generator)
+        else:
+            bound = self.cut * self.std
+            nn.init.trunc_normal_(t, mean=0.0, std=self.std, a=-bound, b=bound, generator=generator)
+
+
+def _trunc(std: float) -> ParamInit:
+    """torchtitan's Linear init: trunc_normal_(std) with nn.init's default bounds a=-2, b=2 (absolute, so at these
+    small stds nothing is cut)."""
+    return ParamInit("trunc_normal", std, cut=2.0 / std)
 
 
 def _apply_rope_scaling(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -85,11 +113,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
-    def init_weights(self, init_std: float) -> None:
+    @staticmethod
+    def param_inits(init_std: float) -> dict[str, ParamInit]:
         """Input projections std 0.02; the residual-facing wo uses the depth-scaled init_std."""
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        return {
+            "wq.weight": _trunc(0.02),
+            "wk.weight": _trunc(0.02),
+            "wv.weight": _trunc(0.02),
+            "wo.weight": _trunc(init_std),
+        }
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """x: (bs, seqlen, dim) -> (bs, seqlen, dim); `mask` None is causal attention."""
@@ -115,11 +147,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def init_weights(self, init_std: float) -> None:
+    @staticmethod
+    def param_inits(init_std: float) -> dict[str, ParamInit]:
         """w1 std 0.02; w2 and w3 use init_std (torchtitan's choice, w3 included)."""
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+        return {"w1.weight": _trunc(0.02), "w2.weight": _trunc(init_std), "w3.weight": _trunc(init_std)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> (..., dim)."""
@@ -139,12 +170,11 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def init_weights(self) -> None:
-        """Re-initialise all parameters of the block in place."""
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+    def param_inits(self) -> dict[str, ParamInit]:
+        """Each parameter's init, by its name in the block."""
+        out = {f"attention.{k}": v for k, v in Attention.param_inits(self.weight_init_std).items()}
+        out |= {f"feed_forward.{k}": v for k, v in FeedForward.param_inits(self.weight_init_std).items()}
+        return out | {"attention_norm.weight": ParamInit("ones"), "ffn_norm.weight": ParamInit("ones")}
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
@@ -182,33 +212,44 @@ class Transformer(nn.Module):
             args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args if args.rope_scaling else None, device
         )
 
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialise every parameter in place (works on DTensors) and recompute freqs_cis.
+    def param_inits(self) -> dict[str, ParamInit]:
+        """Each parameter's init, by FQN (as named_parameters names it without AC/compile wrappers; a tied output
+        shares the embedding's entry). A pipeline stage's model lists only what it holds."""
+        std = self.model_args.dim**-0.5
+        out: dict[str, ParamInit] = {}
+        if self.tok_embeddings is not None:
+            # A tied table gets the output init: std 1.0 would make the initial logits huge.
+            tied = self.model_args.tie_word_embeddings
+            out["tok_embeddings.weight"] = ParamInit("trunc_normal", std, 3.0) if tied else ParamInit("normal")
+        for name, layer in self.layers.items():
+            if layer is not None:  # a block, or its AC/compile wrapper (which forwards attributes)
+                block = cast(TransformerBlock, layer)
+                out |= {f"layers.{name}.{k}": v for k, v in block.param_inits().items()}
+        if self.norm is not None:
+            out["norm.weight"] = ParamInit("ones")
+        if self.output is not None:
+            out["output.weight"] = ParamInit("trunc_normal", std, 3.0)
+        return out
 
-        Call after ``to_empty``: a meta-built model holds no values, including the RoPE buffer.
-        """
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute freqs_cis on `device` (a meta-built model holds no values) and re-tie a tied output, which
+        to_empty() unties by allocating each module's parameters separately."""
+        self.freqs_cis = self._precompute_freqs_cis(torch.device(device))
+        emb, out = self.tok_embeddings, self.output
+        if self.model_args.tie_word_embeddings and emb is not None and out is not None:
+            out.weight = emb.weight
+
+    def init_weights(self, buffer_device: torch.device | None = None, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter in place from one random stream (`generator`, else torch's default), in
+        parameter order, and the buffers. Call after ``to_empty``. A parallelized model is initialised by
+        parallelisms/seeded_init.py instead, so that its values do not depend on the layout."""
         if buffer_device is None:
             ref = self.tok_embeddings.weight if self.tok_embeddings is not None else self.freqs_cis
             buffer_device = ref.device
-        self.freqs_cis = self._precompute_freqs_cis(torch.device(buffer_device))
-        std = self.model_args.dim**-0.5
-        tie = self.model_args.tie_word_embeddings
-        emb, out = self.tok_embeddings, self.output
-        if tie and emb is not None and out is not None and out.weight is not emb.weight:
-            # to_empty() allocates each module's parameters separately, which silently unties them.
-            out.weight = emb.weight
-        if emb is not None:
-            if tie:  # a tied table gets the output init: std 1.0 would make the initial logits huge
-                nn.init.trunc_normal_(emb.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-            else:
-                nn.init.normal_(emb.weight)
-        for layer in self.layers.values():
-            if layer is not None:  # a block, or its AC/compile wrapper (which forwards attributes)
-                cast(TransformerBlock, layer).init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if out is not None and (emb is None or out.weight is not emb.weight):
-            nn.init.trunc_normal_(out.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        self.init_buffers(torch.device(buffer_device))
+        inits = self.param_inits()
+        for name, param in self.named_parameters():
+            inits[unwrapped_fqn(name)].fill_(param, generator)
 
     def attention_mask(self, tokens: torch.Tensor) -> AttentionMask:
         """The attention mask of a batch of token ids (bs, seqlen): None for causal attention, else the documents'

@@ -6,7 +6,8 @@ Runs one bf16 forward/backward of the debug model (one process, per-op SAC on ev
 the policy's own decisions: bytes of outputs kept by SAC per op, the ops recomputed in backward (with the
 elements the amax/max reductions re-read), the bytes saved by autograd outside checkpointed regions, and the
 median forward+backward wall time. `--no-amax` drops aten.amax from the save list (the question in
-docs/parallelisms.md: should rowwise amax outputs be saved?); `--save-abs` adds aten.abs (seed 001's mistake).
+docs/parallelisms.md: should rowwise amax outputs be saved?); `--save-abs` adds aten.abs (the mistake of torchtitan
+PR #808).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--recipe", choices=["none", "tensorwise", "rowwise"], default="rowwise")
     p.add_argument("--no-amax", action="store_true", help="remove aten.amax from SAC_SAVE_LIST")
-    p.add_argument("--save-abs", action="store_true", help="add aten.abs to the save list (the seed 001 mistake)")
+    p.add_argument(
+        "--save-abs", action="store_true", help="add aten.abs to the save list (torchtitan PR #808's mistake)"
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)

@@ -6,7 +6,7 @@
     parallel_dims      degrees checked against the world, the shape and the device; the device mesh
     data               the tokenizer's batches, this data-parallel rank's slice
     build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
-    materialize        to_empty + init_weights on the device
+    materialize        to_empty + the layout-independent init (one seed, one model) on the device
     optimizer          AdamW + the LR schedule
     validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_
 from models.args import first_difference
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
+from parallelisms.seeded_init import init_layout_independent
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
@@ -156,11 +158,23 @@ def build_model(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, float8: Flo
     return BuiltModel(model, args, n_params, flops, linear_fqns, tp_plan)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate the meta model's shards on `device` and initialise them; the model is left in training mode."""
+def init_seed(seed: int | None) -> int:
+    """The seed of the initial weights: training.seed, or when unset one drawn at random on rank 0 and shared, so
+    that every rank initialises the same model (logged, to repeat the run)."""
+    if seed is not None:
+        return seed
+    drawn = torch.tensor([random.SystemRandom().randrange(2**63)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(drawn, src=0)  # a CPU tensor: gloo, also under "cuda:nccl,cpu:gloo"
+    logger.info(f"Initial weights from seed {int(drawn)} (training.seed unset; set it to repeat this model)")
+    return int(drawn)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate the meta model's shards on `device` and fill them with the values the whole model would hold on one
+    device for `seed`, whatever the layout (parallelisms/seeded_init.py); the model is left in training mode."""
     model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)  # type: ignore[operator]
+    init_layout_independent(model, seed, device)
     model.train()
 
 

@@ -23,6 +23,7 @@ from kiln_base.config import (
     resolve_mixed_precision,
     validation_shape,
 )
+from kiln_base.errors import CheckpointError
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
 from trainer.components.checkpoint import step_dir
@@ -33,6 +34,7 @@ from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume
+from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
 from trainer.tools.guards import NonFiniteGuard
@@ -101,7 +103,7 @@ class Trainer:
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
         )
         log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
-        build.materialize(self.model, self.device)
+        build.materialize(self.model, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
@@ -140,10 +142,11 @@ class Trainer:
                 logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
         self.nan_guard = NonFiniteGuard(self.device)
 
-        self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
-        tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
+        log_ranks = os.environ.get("LOG_RANK", "0").split(",")
+        self.is_logging_rank = str(dist.get_rank()) in log_ranks
+        writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
         self.metrics = MetricsLogger(
-            cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
+            cfg.metrics, self.device, self.flops_per_token, writer, self.is_logging_rank, self.float8 is not None
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
@@ -184,10 +187,12 @@ class Trainer:
         return loss.detach()
 
     def report_saved_activations(self) -> SavedActivationReport:
-        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
+        training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
+        saved_activations.py), the rest is measured eagerly, and the log says which is which."""
         inputs, labels = next(self.dataloader)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
+        with self.loss_context():
             report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
@@ -195,6 +200,16 @@ class Trainer:
         else:
             logger.info(f"saved_activations_total_bytes: {report.total_bytes}")
         return report
+
+    def write_seed_checkpoint(self) -> None:
+        """checkpoint.create_seed_checkpoint: save the initial weights as step-0 (nothing trained) and return."""
+        if self.checkpointer.loaded is not None:
+            raise CheckpointError(
+                f"checkpoint.create_seed_checkpoint: {self.checkpointer.folder} already holds "
+                f"{self.checkpointer.loaded}; a seed checkpoint starts a run: use an empty checkpoint.folder"
+            )
+        path = self.checkpointer.save_seed()
+        logger.info(f"Seed checkpoint written: {path} (step 0); runs with this checkpoint folder start from it")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate gradients over micro-batches, clip, step the optimizer and LR; return (loss, grad norm)."""
@@ -250,6 +265,9 @@ class Trainer:
         t = self.cfg.training
         if self.cfg.profiling.saved_activations_report:
             self.report_saved_activations()
+            return
+        if self.cfg.checkpoint.create_seed_checkpoint:
+            self.write_seed_checkpoint()
             return
         logger.info(
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "

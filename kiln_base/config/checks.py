@@ -1,17 +1,19 @@
 """Every config check, in one place, run at the moment its facts are known:
 
-    check_config(cfg)                      the config alone (ranges, flag combinations, files named): parse time
+    check_config(cfg)                      the config alone (ranges, flag combinations, files and packages): parse time
     check_world(cfg, world_size)           + the world size: the launcher before torchrun, each rank at start
     check_model_shape(...)                 + the model's shape: the launcher and each rank, before any build
     check_parallel_plan(...)               + the shape, the degrees and the device type: each rank, before the build
     check_float8_device(...)               + what the GPUs and torch can do: each rank, before the build
 
-Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint), so this module stays
-standard-library only and instant. A failed check raises ConfigError: one line naming the key and what is valid.
+Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint; check_config only looks
+for the files and packages the config names), so this module stays standard-library only and instant. A failed check
+raises ConfigError: one line naming the key and what is valid.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Mapping
@@ -61,6 +63,11 @@ def check_config(cfg: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
     _check_float8_flags(cfg.float8)
+    _check(
+        not cfg.checkpoint.create_seed_checkpoint or cfg.checkpoint.enable_checkpoint,
+        "checkpoint.create_seed_checkpoint writes step-0 into the checkpoint folder; "
+        "add --checkpoint.enable_checkpoint",
+    )
     src = cfg.checkpoint.initial_load_path
     _check(
         cfg.model.flavor != FROM_CHECKPOINT or src is not None,
@@ -88,6 +95,12 @@ def check_config(cfg: JobConfig) -> None:
                 path is None or os.path.exists(path),
                 f"{section}.dataset_path: not found: {path} (a jsonl/json/parquet/txt file or folder)",
             )
+        # find_spec looks the package up without importing it (wandb takes ~2 s to import).
+        _check(
+            not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None,
+            "metrics.enable_wandb needs the wandb package, which is not installed (pip install 'wandb>=0.17', or "
+            "kiln's extra: pip install -e '.[wandb]'); or drop metrics.enable_wandb",
+        )
 
 
 def _check_float8_flags(cfg: Float8) -> None:

@@ -287,6 +287,11 @@ class Checkpoint:
     model_weights_only: bool = _f(False, "Save only model weights (no optimizer/data state).")
     export_dtype: str = _f("float32", "dtype of weights-only saves.", ("float32", "bfloat16", "float16"))
     last_save_model_weights_only: bool = _f(False, "Make the final save weights-only, in export_dtype.")
+    create_seed_checkpoint: bool = _f(
+        False,
+        "Write the initial weights as a full checkpoint step-0 and exit (torchtitan's meaning; any layout: the same "
+        "training.seed gives the same model in every layout, so none is needed to compare layouts).",
+    )
 
 
 @dataclass
@@ -359,6 +364,11 @@ class Metrics:
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
     save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
+    enable_wandb: bool = _f(
+        False,
+        "Log the TensorBoard scalars to Weights & Biases from the logging rank (needs the wandb package; project, "
+        "run name and team from WANDB_PROJECT, WANDB_RUN_NAME, WANDB_TEAM).",
+    )
     disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
     peak_tflops: float | None = _f(
         None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE
@@ -373,7 +383,9 @@ class Profiling:
     enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
     save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
     saved_activations_report: bool = _f(
-        False, "Run one eager training step, print the bytes kept for backward by producing op, and exit."
+        False,
+        "Run one training step, print the bytes kept for backward by producing op, and exit (compiled regions are "
+        "read from their partitioned graphs).",
     )
 
 

@@ -7,7 +7,7 @@ Each row says what kiln does with the key:
     map      kiln has it under another name or shape (`model.converters = ["float8"]` ->
              `float8.enable_float8_linear = true`): translated, and the translation logged once
     ignore   accepted and ignored while the value asks for nothing kiln lacks (`pipeline_parallel_degree = 1`,
-             `enable_wandb = false`); any other value is refused with one line naming the key, the value and
+             `context_parallel_degree = 1`); any other value is refused with one line naming the key, the value and
              what kiln offers instead. Keys only read by a feature kiln refuses elsewhere (the pipeline
              schedule, MoE's settings) are ignored whatever their value.
 
@@ -238,13 +238,13 @@ ROWS_LIST: tuple[Key, ...] = (
     honour("metrics.disable_color_printing", ALL, "kiln's log lines carry no colours either way"),
     honour("metrics.save_tb_folder", ALL),
     honour("metrics.save_for_all_ranks", ALL),
-    ignore_if(
+    honour(
         "metrics.enable_wandb",
         ALL,
-        bool,
-        (False,),
-        OFF,
-        "Weights & Biases is not supported; use metrics.enable_tensorboard",
+        'the same environment variables (WANDB_PROJECT, default "kiln" where torchtitan\'s is "torchtitan"; '
+        "WANDB_RUN_NAME, default the dump folder's name; WANDB_TEAM, ...); from the logging rank only, also with "
+        "save_for_all_ranks; TensorBoard is written too when both are on; without the wandb package kiln stops "
+        "(exit 2) where torchtitan logs an error and trains on",
     ),
     # model
     honour("model.name", ALL),
@@ -448,13 +448,10 @@ ROWS_LIST: tuple[Key, ...] = (
         "export after training: scripts/convert_hf.py to_hf CHECKPOINT HF_DIR (config, tokenizer, shards)",
     ),
     honour("checkpoint.export_dtype", ALL),
-    ignore_if(
+    honour(
         "checkpoint.create_seed_checkpoint",
         ALL,
-        bool,
-        (False,),
-        OFF,
-        "kiln needs no seed checkpoint: it initialises weights after parallelising (set training.seed to repeat it)",
+        "any number of ranks (one seed gives the same model in every layout, so a seed checkpoint is optional)",
     ),
     honour("checkpoint.async_mode", ALL),
     honour("checkpoint.keep_latest_k", ALL),

@@ -1,9 +1,8 @@
 """Validation in every layout: the same weights give the same validation loss on 1 rank, FSDP 2 and TP 2, causal
 and block-causal, and every layout puts it in the step line (and TensorBoard).
 
-The same seed does not give the same initial weights across layouts (each rank draws its shard from its own
-generator), so every run starts from one set of weights: a one-process run saves a checkpoint, and each layout
-loads it through `checkpoint.initial_load_path`. Each then trains one step at lr 1e-12 (a change of ~1e-12 per
+Every run starts from one set of weights, whatever the init does: a one-process run saves a checkpoint, and each
+layout loads it through `checkpoint.initial_load_path`. Each then trains one step at lr 1e-12 (a change of ~1e-12 per
 weight) and validates after it, at step 1, on the same 4 global batches of 4 sequences (validation.local_batch_size
 x data-parallel degree = 4 in every layout).
 """

@@ -6,9 +6,8 @@ fails here by name. Plus the rule that makes the module mean something: nothing 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
@@ -23,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kiln_base import internals
 from tests.helpers.distributed import free_port
+from tests.helpers.kiln_process import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 aten = torch.ops.aten
@@ -391,7 +391,7 @@ def test_cpu_float8_conversion_skips_torchaos_triton_patch() -> None:
         "from torchao.float8 import _inductor_patch\n"
         "print(type(model[0]).__name__, _inductor_patch._PATCHED, 'torch._inductor.codegen.triton' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.split()[-3:] == ["Float8Linear", "True", "False"]
 
 
@@ -462,3 +462,51 @@ def test_cpu_flex_backward_lifts_only_the_cpu_refusal() -> None:
     with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
         flex_attention(q, q, q, block_mask=mask)
     assert isinstance(torch.ops.higher_order.flex_attention, internals.HigherOrderOperator)
+
+
+def test_inductor_partition_backend_runs_inductors_partition_eagerly() -> None:
+    """Right gradients; each forward runs inside around_forward; what the forward saves reaches saved-tensor hooks
+    (AOTAutograd's save_for_backward): inductor's partition keeps x and recomputes sin(x), which eager keeps."""
+    runs: list[int] = []
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        runs.append(1)
+        yield
+
+    saved: list[torch.Tensor] = []
+    f = torch.compile(lambda x: torch.sin(x).cos().sum(), backend=internals.inductor_partition_backend(around))
+    x = torch.randn(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = f(x)
+    loss.backward()
+    assert runs == [1]
+    assert torch.allclose(x.grad, -torch.sin(torch.sin(x)) * torch.cos(x))
+    assert len(saved) == 1 and torch.equal(saved[0], x)
+
+
+def test_compile_transparent_dispatch_mode_sees_compiled_graph_ops() -> None:
+    """Under the mode dynamo compiles (fullgraph: a skipped frame would fail), and the graph, run eagerly by
+    inductor_partition_backend, shows its ops to the mode."""
+
+    class Recording(internals.CompileTransparentDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    runs: list[int] = []
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        runs.append(1)
+        yield
+
+    f = torch.compile(lambda x: torch.sin(x) * 2, backend=internals.inductor_partition_backend(around), fullgraph=True)
+    with Recording() as mode:
+        out = f(torch.ones(4))
+    assert runs == [1] and "aten.sin.default" in mode.ops
+    assert torch.allclose(out, 2 * torch.sin(torch.ones(4)))

@@ -1,4 +1,4 @@
-"""Saved-activation report and the memory-regression checks built on it (seed 001: per-op SAC kept abs(W))."""
+"""Saved-activation report and the memory-regression checks built on it (torchtitan PR #808: per-op SAC kept abs(W))."""
 
 from __future__ import annotations
 

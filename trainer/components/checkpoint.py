@@ -448,6 +448,11 @@ class CheckpointManager:
         if error is not None:
             raise CheckpointError(error)
 
+    def save_seed(self) -> str:
+        """checkpoint.create_seed_checkpoint: the initial state as the full checkpoint step-0."""
+        self._save(0, weights_only=False, background=False)
+        return step_dir(self.folder, 0)
+
     def save_full(self, step: int) -> str | None:
         """Save a full (resumable) checkpoint of `step` now, synchronously, unless maybe_save(step) just wrote
         one (preemption: the run must resume right after this step). Returns its folder; None when disabled."""

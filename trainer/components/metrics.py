@@ -3,7 +3,7 @@
     step: 10  loss:  7.1234  memory:  1.23GiB(4.56%)  tps: 12,345  mfu: 12.34%  grad_norm: ...
 
 With validation on, a validation step's line ends with `val_loss: 7.3012  val_ppl: 1483.09`
-(trainer/components/validate.py); TensorBoard gets kiln/val_loss and kiln/val_ppl at that step.
+(trainer/components/validate.py); the scalar writers (TensorBoard, W&B) get kiln/val_loss and kiln/val_ppl at that step.
 
 memory is the peak reserved device memory since the last log line and its share of capacity; on CPU it
 is the process's peak RSS and its share of system RAM (said once at start-up). MFU is measured against
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln_base.config import Metrics
+from trainer.components.scalar_writers import ScalarWriters
 
 logger = logging.getLogger("kiln")
 
@@ -110,7 +111,7 @@ class MetricsLogger:
         cfg: Metrics,
         device: torch.device,
         flops_per_token: float,
-        tb_dir: str | None,
+        writer: ScalarWriters | None,
         is_logging_rank: bool,
         float8: bool = False,
     ) -> None:
@@ -124,11 +125,7 @@ class MetricsLogger:
         self.data_time = 0.0
         self._steps_since_log = 0
         self.t_last = time.perf_counter()
-        self.writer = None
-        if tb_dir is not None and cfg.enable_tensorboard and (is_logging_rank or cfg.save_for_all_ranks):
-            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import
-
-            self.writer = SummaryWriter(tb_dir)
+        self.writer = writer  # TensorBoard and W&B (scalar_writers.py); the numerics report writes through it too
         if is_logging_rank:
             fp8 = ", mfu_fp8 against the float8 peak" if float8 else ""
             logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}")
@@ -185,6 +182,7 @@ class MetricsLogger:
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"kiln/{k}", v, step)
+            self.writer.flush()
         self.tokens, self.data_time, self._steps_since_log = 0, 0.0, 0
         self.memory.reset()
         self.t_last = time.perf_counter()
