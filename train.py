@@ -55,6 +55,8 @@ def check_inputs(cfg: JobConfig) -> None:
 
     load_tokenizer(cfg.model.tokenizer_path)
     check_data_source(cfg.training)
+    if cfg.validation.enable:
+        check_data_source(cfg.validation)
 
 
 def exit_now(status: int) -> NoReturn:
@@ -77,16 +79,21 @@ def _log_paths(cfg: JobConfig) -> None:
     log.info(f"Config file: {cfg.job.config_file or '(none: defaults and command line)'}")
     log.info(f"Dump folder: {cfg.job.dump_folder}")
     log.info(f"Tokenizer: {cfg.model.tokenizer_path}")
-    if cfg.training.dataset_path is not None:
-        log.info(f"Dataset: {cfg.training.dataset_path}")
-    else:
-        from trainer.components.data_sources import DATASETS
-
-        spec = DATASETS.get(cfg.training.dataset)
-        where = f" ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else ""
-        log.info(f"Dataset: {cfg.training.dataset}{where}")
+    log.info(f"Dataset: {_dataset_name(cfg.training.dataset, cfg.training.dataset_path)}")
+    if cfg.validation.enable:
+        log.info(f"Validation dataset: {_dataset_name(cfg.validation.dataset, cfg.validation.dataset_path)}")
     if cfg.checkpoint.enable_checkpoint:
         log.info(f"Checkpoint folder: {os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)}")
+
+
+def _dataset_name(name: str, path: str | None) -> str:
+    """A dataset as the start-up log names it: the local path, or the registered name and where it reads."""
+    if path is not None:
+        return path
+    from trainer.components.data_sources import DATASETS
+
+    spec = DATASETS.get(name)
+    return f"{name} ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else name
 
 
 def main(argv: list[str] | None = None) -> int:

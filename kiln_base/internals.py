@@ -576,3 +576,49 @@ class CompileTransparentDispatchMode(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+
+# ----------------------------------------------------------------------------- compile: guards and counters
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Compile `t`'s dimension `dim` as a symbolic size from the first call on (torch._dynamo.mark_dynamic), so a
+    compiled region taking tensors whose length changes every call compiles once instead of recompiling for the
+    second length seen. Checked on torch 2.13.0."""
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def dynamo_graphs_compiled() -> int:
+    """How many graphs dynamo has produced in this process so far (torch._dynamo.utils.counters, stats /
+    unique_graphs): every compile and every recompile adds one; a call served by a cached graph adds none.
+    Checked on torch 2.13.0."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ----------------------------------------------------------------------------- flex attention
+
+
+@contextlib.contextmanager
+def cpu_flex_backward() -> Iterator[None]:
+    """Let eager flex_attention take CPU inputs that require grad while active: measurements and tests only.
+
+    torch refuses them (`torch.nn.attention.flex_attention._validate_device`: "FlexAttention does not support backward
+    on CPU"), yet its eager implementation, the unfused reference that materialises the scores, has a backward on
+    any device; inductor's compiled backward is Triton only, so compiled code stays refused. kiln's CPU runs evaluate
+    a block mask densely for SDPA instead (models/attention.py); this lets a test run the flex kernel's own path on a
+    CPU, e.g. to see what per-op SAC keeps of it. Checked on torch 2.13.0."""
+    import torch.nn.attention.flex_attention as flex
+
+    original = flex._validate_device
+
+    def validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type != "cpu":
+            original(query, key, value)
+
+    flex._validate_device = validate
+    try:
+        yield
+    finally:
+        flex._validate_device = original

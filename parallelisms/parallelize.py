@@ -78,7 +78,7 @@ def apply_tp(
     for block_name, block in model.layers.items():
         plan: dict[str, ParallelStyle] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         for sub, inputs, col, row in (
-            ("attention", (Shard(1), None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis)
+            ("attention", (Shard(1), None, None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis, mask)
             ("feed_forward", (Shard(1),), ("w1", "w3"), "w2"),
         ):
             # float8 styles only where every Linear of the sub-module is Float8Linear (some may be filtered).

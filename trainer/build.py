@@ -8,6 +8,7 @@
     build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
     optimizer          AdamW + the LR schedule
+    validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
 
 Each phase is a function of what it needs, never of the Trainer; the hooks phase is `trainer.hooks.build_hooks`.
@@ -19,6 +20,7 @@ import dataclasses
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +50,12 @@ from parallelisms.parallelize import parallelize_llama
 from parallelisms.seeded_init import init_layout_independent
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.checkpoint_folder import FolderClaim
-from trainer.components.data import DataLoader, build_dataloader, dataset_fingerprint
+from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.initial_load import InitialSource, check_not_inside
 from trainer.components.resume import file_sha256, training_settings
 from trainer.components.tokenizer import Tokenizer
+from trainer.components.validate import Validator
 
 logger = logging.getLogger("kiln")
 
@@ -69,19 +72,25 @@ def process_group(cfg: JobConfig) -> tuple[torch.device, PeerWatch | None]:
     return device, peers
 
 
-def model_args(m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None) -> ModelArgs:
+def model_args(
+    m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None, bos_id: int | None = None
+) -> ModelArgs:
     """The shape to build: the flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the model.*
     overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path (`source`),
-    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked."""
+    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked.
+
+    `seq_len`: the longest sequence the run feeds (the RoPE table's length); `bos_id`: the tokenizer's BOS, where
+    a document starts under a document-masked flavor."""
     if m.flavor == FROM_CHECKPOINT:
         assert source is not None, "config checks require checkpoint.initial_load_path with from_checkpoint"
         check_overrides_match_stored(m, dataclasses.asdict(source.args), source.path)
-        args = dataclasses.replace(source.args, max_seq_len=seq_len)
+        args = dataclasses.replace(source.args, max_seq_len=seq_len, bos_id=bos_id)
         check_model_shape(m, args.shape(), tokenizer_words, source.path)
         return args
     overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
     args = dataclasses.replace(
-        LLAMA3_FLAVORS[m.flavor], **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len}
+        LLAMA3_FLAVORS[m.flavor],
+        **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len, "bos_id": bos_id},
     )
     check_model_shape(m, args.shape(), tokenizer_words)
     if source is not None:
@@ -104,6 +113,27 @@ def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch
     """This data-parallel rank's slice of every global batch (ranks of one TP group read the same batches)."""
     dp_rank = dims.dp_mesh.get_local_rank()
     return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
+
+
+def validator(
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    dims: ParallelDims,
+    device: torch.device,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    global_mean: Callable[[torch.Tensor], float],
+) -> Validator | None:
+    """With validation.enable, the validator: this data-parallel rank's slice of the validation set's batches
+    (opened afresh each validation), the training forward and loss (`loss_of`), the average over the ranks."""
+    if not cfg.validation.enable:
+        return None
+    dp_rank = dims.dp_mesh.get_local_rank()
+
+    def open_loader() -> DataLoader:
+        pin = device.type == "cuda"
+        return build_validation_loader(cfg.validation, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
+
+    return Validator(open_loader, loss_of, global_mean, cfg.validation.steps, device)
 
 
 @dataclass

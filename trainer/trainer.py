@@ -16,7 +16,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
+from kiln_base.config import (
+    CPU_BF16_COST,
+    JobConfig,
+    grad_accum_steps,
+    resolve_mixed_precision,
+    validation_shape,
+)
 from kiln_base.errors import CheckpointError
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallelize import loss_parallel_enabled
@@ -46,6 +52,19 @@ def log_precision(param: str, precision: str, device_type: str) -> None:
         logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
 
 
+def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_type: str) -> None:
+    """One start-up line on how the model attends (models/attention.py), and what runs it on this device."""
+    if mask_type == "causal":
+        logger.info("Attention: causal (scaled_dot_product_attention)")
+        return
+    kernel = {"flex": "flex_attention", "varlen": "varlen_attn"}[attn_type]
+    if attn_type == "flex" and device_type == "cpu":
+        kernel = "scaled_dot_product_attention with the block mask evaluated densely (no flex backward on a CPU)"
+    logger.info(
+        f"Attention: {mask_type}: causal within each document, a document starting at token {bos_id} (BOS); {kernel}"
+    )
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
@@ -69,7 +88,9 @@ class Trainer:
         self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source)
+        # The RoPE table covers the longest sequence the run feeds: training's, or validation's when longer.
+        longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
+        args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
         dp_degree = self.parallel_dims.dp_degree
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
@@ -83,6 +104,7 @@ class Trainer:
             f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
             f"{args.vocab_size}, seq {t.seq_len}; {flops}"
         )
+        log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
         build.materialize(self.model, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
@@ -96,6 +118,9 @@ class Trainer:
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
+        self.validator = build.validator(
+            cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
+        )
 
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -145,6 +170,13 @@ class Trainer:
         with self.amp:
             logits = self.model(inputs)
         return self.loss_fn(logits, labels)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The forward and loss of one batch as training computes them, without backward (validation; the caller
+        holds torch.no_grad): the mean loss over this rank's tokens."""
+        with self.loss_context():
+            loss = self.forward_loss(inputs, labels)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
@@ -229,6 +261,7 @@ class Trainer:
             self.nan_guard,
             self._global_mean_loss,
             self.losses,
+            self.validator,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:

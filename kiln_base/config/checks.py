@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln_base.config.schema import FROM_CHECKPOINT, Float8, JobConfig, Model, Training
+from kiln_base.config.schema import (
+    FROM_CHECKPOINT,
+    Float8,
+    JobConfig,
+    Model,
+    Training,
+    resolve_mixed_precision,
+    validation_shape,
+)
 from kiln_base.errors import ConfigError
 
 
@@ -80,10 +88,11 @@ def check_config(cfg: JobConfig) -> None:
             f"model.tokenizer_path: file not found: {cfg.model.tokenizer_path} "
             "(point it at a tiktoken BPE file such as Llama3's tokenizer.model)",
         )
-        if t.dataset_path is not None:
+        val_path = cfg.validation.dataset_path if cfg.validation.enable else None  # read only when validating
+        for section, path in (("training", t.dataset_path), ("validation", val_path)):
             _check(
-                os.path.exists(t.dataset_path),
-                f"training.dataset_path: not found: {t.dataset_path} (a jsonl/json/parquet/txt file or folder)",
+                path is None or os.path.exists(path),
+                f"{section}.dataset_path: not found: {path} (a jsonl/json/parquet/txt file or folder)",
             )
         # find_spec looks the package up without importing it (wandb takes ~2 s to import).
         _check(
@@ -189,6 +198,12 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(
             f"training.seq_len ({cfg.training.seq_len}) must be divisible by tensor_parallel_degree ({tp})"
         )
+    val_seq_len = validation_shape(cfg.validation, cfg.training)[1]
+    if cfg.validation.enable and val_seq_len % tp:
+        raise ConfigError(
+            f"validation.seq_len ({val_seq_len}) must be divisible by tensor_parallel_degree ({tp}) "
+            "(unset, it is training.seq_len)"
+        )
 
 
 # ----------------------------------------------------------------------------- the model's shape
@@ -205,6 +220,7 @@ class ModelShape:
     n_kv_heads: int  # n_heads when the flavor has plain multi-head attention
     ffn_hidden_dim: int
     vocab_size: int
+    attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
 
 
 SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
@@ -266,6 +282,19 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
     ):
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")
+    if shape.attn_type == "varlen" and device_type != "cuda":
+        flavor = cfg.model.flavor
+        flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
+        raise ConfigError(
+            f"model.flavor {flavor}: varlen attention runs flash attention's variable-length kernel, which needs "
+            f"CUDA; this run is on {device_type}: use {flex} (the same document mask, through flex attention)"
+        )
+    param = cfg.training.mixed_precision_param
+    if shape.attn_type == "varlen" and resolve_mixed_precision(param, device_type) != "bfloat16":
+        raise ConfigError(
+            f"model.flavor {cfg.model.flavor}: varlen attention (flash attention) computes in bfloat16 or float16, "
+            f"but training.mixed_precision_param is {param}; use bfloat16 (or auto), or a _flex flavor"
+        )
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     if p.enable_async_tensor_parallel:
         if device_type != "cuda":

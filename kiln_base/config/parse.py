@@ -54,6 +54,8 @@ def _resolve_paths(cfg: JobConfig) -> None:
     cfg.model.tokenizer_path = resolve_input_path(cfg.model.tokenizer_path)
     if cfg.training.dataset_path is not None:
         cfg.training.dataset_path = resolve_input_path(cfg.training.dataset_path)
+    if cfg.validation.dataset_path is not None:
+        cfg.validation.dataset_path = resolve_input_path(cfg.validation.dataset_path)
     if cfg.checkpoint.initial_load_path is not None:
         cfg.checkpoint.initial_load_path = resolve_output_path(cfg.checkpoint.initial_load_path)
 

@@ -104,6 +104,19 @@ ATTENTION_FLOPS = ("full", "causal")
 
 FROM_CHECKPOINT = "from_checkpoint"  # model.flavor: build the shape stored with checkpoint.initial_load_path
 
+# Meta's published shapes (models/args.py builds each). Every one also comes as document-masked variants that
+# differ only in attention (torchtitan's naming: debugmodel_flex_attn, debugmodel_varlen_attn, 8B_flex, 8B_varlen).
+BASE_FLAVORS = ("debugmodel", "8B", "70B", "405B", "3.1-8B", "3.1-70B", "3.1-405B", "3.2-1B", "3.2-3B")
+ATTENTION_VARIANTS = ("flex", "varlen")  # models.args: attn_type, with attn_mask_type block_causal
+
+
+def attention_flavor(base: str, attn_type: str) -> str:
+    """The flavor name of `base` with `attn_type` attention: torchtitan's `debugmodel_flex_attn`, `8B_flex`."""
+    return f"{base}_{attn_type}_attn" if base == "debugmodel" else f"{base}_{attn_type}"
+
+
+FLAVORS = (*BASE_FLAVORS, *(attention_flavor(b, a) for a in ATTENTION_VARIANTS for b in BASE_FLAVORS))
+
 
 @dataclass
 class Job:
@@ -120,19 +133,10 @@ class Model:
     flavor: str = _f(
         "debugmodel",
         "Model shape: Llama 3 (8B, 70B, 405B), 3.1 (llama3 rope scaling, 131072 context), 3.2 (tied embeddings), or "
-        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json).",
-        (
-            "debugmodel",
-            "8B",
-            "70B",
-            "405B",
-            "3.1-8B",
-            "3.1-70B",
-            "3.1-405B",
-            "3.2-1B",
-            "3.2-3B",
-            FROM_CHECKPOINT,
-        ),
+        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json). "
+        "<flavor>_flex (debugmodel_flex_attn) and <flavor>_varlen (debugmodel_varlen_attn, CUDA only): the same "
+        "shape with document-masked attention (block_causal: no attention across the BOS that starts a document).",
+        (*FLAVORS, FROM_CHECKPOINT),
     )
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
     n_layers: int | None = _f(
@@ -221,6 +225,37 @@ class Training:
         None, "Random seed; same seed, same init.", valid=Range(lo=0, hi=2**64 - 1, note="torch.manual_seed's range")
     )
     deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
+
+
+@dataclass
+class Validation:
+    """torchtitan's [validation]: the loss on held-out data every `freq` steps, outside training (no gradients, no
+    change to the training data's position, the RNG or the weights)."""
+
+    enable: bool = _f(False, "Measure the loss on held-out data at step 1 and every validation.freq steps.")
+    dataset: str = _f(
+        "kiln_corpus_validation",
+        "Registered dataset name: kiln_corpus_validation (the bundled corpus's held-out split), c4_validation "
+        "(allenai/c4 en, split validation, streamed).",
+    )
+    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides validation.dataset.")
+    local_batch_size: int | None = _f(
+        None, "Sequences per device per validation batch; unset = training.local_batch_size.", valid=AT_LEAST_1
+    )
+    seq_len: int | None = _f(None, "Tokens per validation sequence; unset = training.seq_len.", valid=AT_LEAST_1)
+    freq: int = _f(10, "Validate at step 1 and every N steps.", valid=AT_LEAST_1)
+    steps: int = _f(
+        -1,
+        "Validation batches per validation (each over all data-parallel ranks), from the set's start; -1 = the "
+        "whole set. A set shorter than this is validated whole, with a warning.",
+        valid=Range(lo=1, also=(-1,), note="-1 = the whole validation set"),
+    )
+
+
+def validation_shape(v: Validation, t: Training) -> tuple[int, int]:
+    """(local batch size, seq_len) of validation batches: validation's keys, training's where they are unset."""
+    batch = t.local_batch_size if v.local_batch_size is None else v.local_batch_size
+    return batch, t.seq_len if v.seq_len is None else v.seq_len
 
 
 @dataclass
@@ -415,6 +450,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)

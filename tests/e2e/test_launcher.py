@@ -135,6 +135,19 @@ MISTAKES = [
         "needs CUDA",
         False,
     ),
+    ("varlen_cpu", ["--model.flavor", "debugmodel_varlen_attn"], "use model.flavor debugmodel_flex_attn", False),
+    (
+        "validation_dataset_name",
+        ["--validation.enable", "--validation.dataset", "nosuch"],
+        "validation.dataset: unknown dataset 'nosuch'",
+        True,
+    ),
+    (
+        "validation_too_small",
+        ["--validation.enable", "--validation.dataset_path", "{dir}/tiny.jsonl"],
+        "tiny.jsonl is too small to fill one sequence of validation.seq_len + 1",
+        False,
+    ),
 ]
 # With one rank the degrees that need two ranks are not mistakes; these are.
 SINGLE_RANK = {

@@ -484,6 +484,47 @@ def test_mxfp8_internals() -> None:
     assert internals.local_tensor_or_self(hp) is hp
 
 
+# ----------------------------------------------------------------------------- compile counters, flex attention
+
+
+def test_dynamo_graph_count_and_mark_dynamic() -> None:
+    """Every compile adds a graph, a cached call none; a dimension marked dynamic compiles once for all lengths."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2, fullgraph=True)
+    start = internals.dynamo_graphs_compiled()
+    fn(torch.ones(3))
+    fn(torch.ones(3))
+    assert internals.dynamo_graphs_compiled() == start + 1
+    fn(torch.ones(4))  # a new static length: a recompile
+    assert internals.dynamo_graphs_compiled() == start + 2
+    torch._dynamo.reset()
+    start = internals.dynamo_graphs_compiled()
+    for n in (3, 5, 8):
+        x = torch.ones(n)
+        internals.mark_dynamic(x, 0)
+        fn(x)
+    assert internals.dynamo_graphs_compiled() == start + 1
+
+
+def test_cpu_flex_backward_lifts_only_the_cpu_refusal() -> None:
+    """torch refuses a CPU flex_attention input that requires grad; inside cpu_flex_backward its eager reference
+    trains, with SDPA's gradients, and the refusal is back after."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, 1, None, 16, 16, device="cpu")
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, q, q, block_mask=mask)
+    with internals.cpu_flex_backward(), torch.compiler.set_stance("force_eager"):
+        flex_attention(q, q, q, block_mask=mask).sum().backward()
+    flex_grad, q.grad = q.grad, None
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    torch.testing.assert_close(flex_grad, q.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, q, q, block_mask=mask)
+    assert isinstance(torch.ops.higher_order.flex_attention, internals.HigherOrderOperator)
+
+
 def test_inductor_partition_backend_runs_inductors_partition_eagerly() -> None:
     """Right gradients; each forward runs inside around_forward; what the forward saves reaches saved-tensor hooks
     (AOTAutograd's save_for_backward): inductor's partition keeps x and recomputes sin(x), which eager keeps."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kiln_base.config import Training
+from kiln_base.config import Training, Validation, validation_shape
 from kiln_base.errors import CheckpointError, DataError
 from trainer.components.data_sources import (
     DATASETS,
@@ -45,8 +45,8 @@ class TokenWindows:
 
     Documents are encoded with bos and eos and concatenated, so windows cross document boundaries (standard
     pretraining packing). Shards (files) are read in order, records in file order. When the data runs out it
-    warns and starts over. Every record must have a string `text_key` field; a bad one is a DataError naming
-    the file (or shard) and the record.
+    warns and starts over (`loop`; else the iteration ends). Every record must have a string `text_key` field; a
+    bad one is a DataError naming the file (or shard) and the record.
     """
 
     def __init__(
@@ -57,6 +57,8 @@ class TokenWindows:
         text_key: str = "text",
         source: str = "training dataset",
         shard_files: list[str] | None = None,
+        loop: bool = True,
+        seq_len_key: str = "training.seq_len",
     ) -> None:
         self.data = source_records
         self.n_shards = source_records.n_shards
@@ -65,6 +67,8 @@ class TokenWindows:
         self.window = seq_len + 1
         self.text_key = text_key
         self.source = source  # named in errors
+        self.loop = loop
+        self.seq_len_key = seq_len_key  # named in errors
         # The position: `sequences` windows produced; the next record is `record` of `shard` in `epoch`;
         # `buffer` holds the tokens read but not yet in a window.
         self.sequences = 0
@@ -92,8 +96,10 @@ class TokenWindows:
                 raise DataError(f"{self.source}: no records{files}")
             if from_start and not produced:
                 raise DataError(
-                    f"{self.source} is too small to fill one sequence of training.seq_len + 1 = {self.window} tokens"
+                    f"{self.source} is too small to fill one sequence of {self.seq_len_key} + 1 = {self.window} tokens"
                 )
+            if not self.loop:
+                return
             self.epoch, self.shard = self.epoch + 1, 0
             logger.warning(f"dataset exhausted; re-looping (epoch {self.epoch})")
 
@@ -268,6 +274,21 @@ class DataLoader:
         self._reset()
         self.windows.load_state_dict(state)
         self._position = self.windows.state_dict()
+
+
+def build_validation_loader(
+    v: Validation, t: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, pin_memory: bool = False
+) -> DataLoader:
+    """This DP rank's slice of the validation set's global batches, from the set's start, once through (the
+    iteration ends with the set; an incomplete last round of dp_degree x local batch windows is dropped)."""
+    records, files = load_text_dataset(v.dataset, v.dataset_path, "validation")
+    text_key = DATASETS[v.dataset].text_key if v.dataset in DATASETS else "text"
+    source = f"validation.dataset_path {v.dataset_path}" if v.dataset_path else f"validation.dataset {v.dataset}"
+    batch, seq_len = validation_shape(v, t)
+    windows = TokenWindows(
+        records, tokenizer, seq_len, text_key, source, files, loop=False, seq_len_key="validation.seq_len"
+    )
+    return DataLoader(windows, batch, dp_rank, dp_degree, prefetch=t.data_prefetch, pin_memory=pin_memory)
 
 
 def dataset_fingerprint(cfg: Training, files: list[str] | None) -> dict[str, Any]:

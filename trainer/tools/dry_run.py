@@ -43,7 +43,7 @@ def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
         from trainer.components.tokenizer import Tokenizer
 
         return Tokenizer(tokenizer_path).n_words, tokenizer_path
-    if flavor == "debugmodel":
+    if flavor.startswith("debugmodel"):
         return 2256, f"{tokenizer_path} missing; the bundled tokenizer's size"
     return LLAMA3_VOCAB, f"{tokenizer_path} missing; Llama 3's tokenizer size"
 
