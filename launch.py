@@ -83,14 +83,28 @@ class QuietAfterUserError:
         return getattr(self._stream, name)
 
 
-def _nproc(value: str | None) -> int:
-    if value is None or value == "":
-        import torch  # only to count GPUs; torchrun imports it anyway
+CPU_RANKS_PER_CORE = 4  # oversubscribed CPU ranks still make progress (the 2-core CI runs 4); more only thrash
 
-        return torch.cuda.device_count() or 1
+
+def _nproc(value: str | None) -> int:
+    """NGPU: ranks on this node, at most one per GPU, or on a node without GPUs CPU_RANKS_PER_CORE per core
+    (every rank is a process with its pipes and threads: NGPU=100000 once forked until the node ran out of files)."""
+    import torch  # only to count GPUs; torchrun imports it anyway
+
+    gpus = torch.cuda.device_count()
+    if value is None or value == "":
+        return gpus or 1
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"NGPU must be a positive integer (processes on this node), got '{value}'")
-    return int(value)
+    n, cores = int(value) if len(value) <= 18 else 10**18, os.cpu_count() or 1
+    if gpus and n > gpus:
+        raise ValueError(f"NGPU={value}: this node has {gpus} GPU(s); run at most one rank per GPU")
+    if not gpus and n > CPU_RANKS_PER_CORE * cores:
+        raise ValueError(
+            f"NGPU={value}: this node has no GPU and {cores} CPU core(s); kiln starts at most "
+            f"{CPU_RANKS_PER_CORE * cores} CPU ranks ({CPU_RANKS_PER_CORE} a core)"
+        )
+    return n
 
 
 def _count(env: Mapping[str, str], name: str, default: int, minimum: int, what: str) -> int:
@@ -219,7 +233,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         return USER_ERROR
     # CONFIG_FILE first: parse_args takes the last --job.config_file, so one in argv wins.
     args = ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG, *argv]
-    cfg = train.check_config(args, world_size=nodes.nnodes * nproc)  # every node checks the whole world
+    cfg = train.check_config(args, world_size=nodes.nnodes * nproc, local_ranks=nproc)  # every node: the whole world
     if cfg is None:
         return USER_ERROR
     if nodes.nnodes > 1:
