@@ -106,6 +106,10 @@ def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
             raise FileRefused(
                 f"{path} is a symbolic link; kiln never writes, truncates or removes through a link (remove it)"
             ) from None
+        if e.errno == errno.ENXIO:  # a FIFO without a reader (O_NONBLOCK: refused instead of waited on)
+            raise FileRefused(
+                f"{path} is a FIFO (named pipe); kiln writes only regular files there (remove it)"
+            ) from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):

@@ -198,7 +198,7 @@ MODEL_FIELDS: dict[str, tuple[str, Range | None]] = {
     "n_kv_heads": ("int or null", _SIZE),
     "vocab_size": ("int", _SIZE),
     "multiple_of": ("int", _SIZE),
-    "ffn_dim_multiplier": ("number or null", Range(lo=0, lo_open=True, hi=1e6)),
+    "ffn_dim_multiplier": ("number or null", Range(lo=0, lo_open=True, hi=1_000_000)),
     "norm_eps": ("number", Range(lo=0, lo_open=True, hi=1)),
     "rope_theta": ("number", Range(lo=0, lo_open=True)),
     "rope_scaling": ("bool", None),

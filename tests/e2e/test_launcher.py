@@ -121,7 +121,7 @@ MISTAKES = [
         "tiny.jsonl is too small to fill one sequence",
         False,
     ),
-    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", False),
+    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", True),
     (
         "checkpoint_model",
         ["--job.dump_folder", "{ckpt2}", "--checkpoint.enable_checkpoint", "--model.n_layers", "1"],
@@ -139,7 +139,7 @@ MISTAKES = [
             "--training.compile",
         ],
         "needs CUDA",
-        False,
+        True,
     ),
 ]
 # With one rank the degrees that need two ranks are not mistakes; these are.

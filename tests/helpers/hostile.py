@@ -12,6 +12,7 @@ import dataclasses
 import io
 import os
 import pickle
+import subprocess
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,15 @@ SMALL_ARGS += ("--model.multiple_of", "32")
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file and folder under `folder` (links not followed): relative path -> (size, mtime in ns)."""
+    """Every file, folder and link under `folder` (links not followed), except the folder lock (each run takes it
+    and writes its pid@host there): relative path -> (size, mtime in ns)."""
     out = {}
     for root, dirs, files in os.walk(folder):
         for name in dirs + files:
             p = Path(root) / name
             st = p.lstat()
-            out[str(p.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
+            if name != ".kiln.lock":
+                out[str(p.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
     return out
 
 
@@ -96,3 +99,29 @@ def storage_member(record: bytes) -> str:
     """The name of the (first) tensor storage member of torch.save's zip `record` (`<archive>/data/0`)."""
     with zipfile.ZipFile(io.BytesIO(record)) as z:
         return next(n for n in z.namelist() if "/data/" in n and not n.endswith("serialization_id"))
+
+
+# ---------------------------------------------------------------------------------------------- run_train.sh
+
+RUN_TRAIN = str(Path(__file__).resolve().parents[2] / "run_train.sh")
+
+
+def run_train_sh(
+    *args: str, cwd: Path, ngpu: int | str = 1, env: dict[str, str] | None = None, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """`NGPU=ngpu run_train.sh args` from `cwd`, `env` on top of this process's environment; `kwargs` go to
+    subprocess.run (preexec_fn, timeout)."""
+    kwargs.setdefault("timeout", 600)
+    full_env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(["bash", RUN_TRAIN, *args], cwd=cwd, env=full_env, capture_output=True, text=True, **kwargs)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """Exit 2, the last stderr line `kiln: error: ...`, no traceback anywhere; that line."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines and lines[-1].startswith("kiln: error: "), out[-3000:]
+    assert all(line.startswith("[rank0]:") for line in lines[:-1]), out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    return lines[-1]
