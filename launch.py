@@ -1,7 +1,8 @@
 """The launcher behind run_train.sh: check the config for the whole world, then torchrun train.py on this node.
 
     CONFIG_FILE  TOML config (default: kiln's train_configs/debug_model.toml); --job.config_file in the arguments wins
-    NGPU         processes on this node (default: the visible GPUs, else one CPU rank)
+    NGPU         processes on this node (default: the visible GPUs, else one CPU rank; at most one per GPU, or 4 per
+                 CPU core on a node without GPUs)
     LOG_RANK     local ranks whose output each node shows; the same numbers as global ranks log metrics (default: 0)
     MAX_RESTARTS torchrun's --max-restarts: how often a failed job (a lost node) restarts all ranks (default: 0)
 
@@ -19,8 +20,9 @@ The config is checked for NNODES x NGPU ranks on every node before torchrun star
 
 Every user mistake ends with exit status 2 and one line `kiln: error: ...` on stderr:
 
-- what the config and NGPU decide, and the files read first (tokenizer, dataset name, a local dataset's first
-  record), are checked here before any rank starts (train.check_config: no torch, instant);
+- what the config and NGPU decide, the files read first (tokenizer, dataset name, a local dataset's first
+  record) and the model the ranks would build (its shape from every source, the TP plan, on a CPU node the memory)
+  are checked here before any rank starts (train.check_config);
 - what only a rank can find (a checkpoint of another model, a dataset too small for one sequence) the rank
   appends as one line to KILN_ERROR_FILE before it exits 2 (kiln_base.errors.report); torchrun then fails, and
   this launcher prints that line in place of torchrun's report (a log line per failed rank and a ChildFailedError
@@ -94,14 +96,15 @@ def _nproc(value: str | None) -> int:
     gpus = torch.cuda.device_count()
     if value is None or value == "":
         return gpus or 1
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"NGPU must be a positive integer (processes on this node), got '{value}'")
-    n, cores = int(value) if len(value) <= 18 else 10**18, os.cpu_count() or 1
+    digits, shown = value.lstrip("0"), value if len(value) <= 20 else value[:17] + "..."
+    if not value.isdigit() or not digits:
+        raise ValueError(f"NGPU must be a positive integer (processes on this node), got '{shown}'")
+    n, cores = int(digits) if len(digits) <= 18 else 10**18, os.cpu_count() or 1  # int() refuses 4300+ digits
     if gpus and n > gpus:
-        raise ValueError(f"NGPU={value}: this node has {gpus} GPU(s); run at most one rank per GPU")
+        raise ValueError(f"NGPU={shown}: this node has {gpus} GPU(s); run at most one rank per GPU")
     if not gpus and n > CPU_RANKS_PER_CORE * cores:
         raise ValueError(
-            f"NGPU={value}: this node has no GPU and {cores} CPU core(s); kiln starts at most "
+            f"NGPU={shown}: this node has no GPU and {cores} CPU core(s); kiln starts at most "
             f"{CPU_RANKS_PER_CORE * cores} CPU ranks ({CPU_RANKS_PER_CORE} a core)"
         )
     return n

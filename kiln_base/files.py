@@ -9,7 +9,7 @@ The rules, each in one function here (docs/checkpoint.md, "A checkpoint from a s
                                     ends) of at most `limit` bytes, checked before a byte is read
     require_regular(path)           the same type check, for large files read in pieces (data, weights)
     loads_json(data)                JSON nested no deeper than Python can parse (a RecursionError is a ValueError)
-    open_no_follow(path, flags)     a file kiln writes or truncates, never through a link
+    open_no_follow(path, flags)     a file kiln writes or truncates, never through a link (symbolic or hard)
     write_atomic(path, data)        a file kiln writes whole: `.part` (no link followed), fsync, rename
     remove_tree(path)               a folder kiln owns, never through a link
     writable_dir_problem(path)      a folder kiln will write: created now and proven to take a file
@@ -115,6 +115,11 @@ def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise FileRefused(f"{path} is {_kind(st.st_mode)}; kiln writes only regular files there (remove it)")
+    if st.st_nlink > 1:  # a hard link: the same file under another name, maybe outside the folder
+        os.close(fd)
+        raise FileRefused(
+            f"{path} has {st.st_nlink - 1} other hard link(s); kiln writes only files of its own (remove it)"
+        )
     return fd
 
 

@@ -70,9 +70,10 @@ def check_config(cfg: JobConfig) -> None:
         f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {MXFP8_BLOCK}",
     )
     if not cfg.job.dry_run and not cfg.job.print_config:
+        found = "not a regular file" if os.path.exists(cfg.model.tokenizer_path) else "file not found"
         _check(
             os.path.isfile(cfg.model.tokenizer_path),
-            f"model.tokenizer_path: file not found: {cfg.model.tokenizer_path} "
+            f"model.tokenizer_path: {found}: {cfg.model.tokenizer_path} "
             "(point it at a tiktoken BPE file such as Llama3's tokenizer.model)",
         )
         if t.dataset_path is not None:

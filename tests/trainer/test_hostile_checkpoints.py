@@ -197,7 +197,11 @@ def _marker_step(step: Path) -> None:
 
 def _optimizer_step(step: Path) -> None:
     fqn = next(i.fqn for i in read_md(step).storage_data if i.fqn.endswith("norm.weight.step"))
-    rewrite_item(step, fqn, torch_saved(torch.tensor(math.nan)))
+    rewrite_item(step, fqn, torch_saved(torch.tensor(-5.0)))
+
+
+def _nan_moment(step: Path) -> None:
+    rewrite_item(step, exp_avg(step), torch_saved(torch.full((2256, 64), math.nan)))
 
 
 VALUES = {
@@ -213,7 +217,8 @@ VALUES = {
     "token id past the vocabulary": (_set("dataloader.buffer", [5, 10**6]), "dataloader.buffer is 1000000, but"),
     "negative token id": (_set("dataloader.buffer", [-1]), "dataloader.buffer is -1, but kiln writes token ids"),
     "negative position": (_set("dataloader.sequences", -3), "dataloader.sequences is -3, but kiln writes a position"),
-    "optimizer step NaN": (_optimizer_step, ".step is nan, but kiln writes AdamW's step count"),
+    "optimizer step negative": (_optimizer_step, ".step is -5.0, but kiln writes AdamW's step count"),
+    "moment NaN": (_nan_moment, ".exp_avg' holds NaN or infinite values, but kiln never saves after a non-finite"),
 }
 
 

@@ -49,6 +49,7 @@ from trainer.components.checkpoint_folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
     FolderClaim,
+    agree,
     prepare_save,
     publish,
     purge,
@@ -331,13 +332,14 @@ class CheckpointManager:
         if last_step is None:
             return
         clashes = []
-        links = scan(self.folder, links=True)
-        for e in [*entries, *links]:
+        others = scan(self.folder, others=True)  # links, files: never written through or replaced
+        for e in [*entries, *others]:
             if not (start < e.step <= last_step and self.due(e.step, e.step == last_step)):
                 continue
-            if self._weights_only_save(e.step == last_step) != e.export or (e.kiln_saving and e not in links):
+            if self._weights_only_save(e.step == last_step) != e.export or (e.kiln_saving and e not in others):
                 continue  # another kind of save, or our own killed save (replaced)
-            clashes.append(e.name + (" (a symbolic link)" if e in links else ""))
+            what = " (a symbolic link)" if os.path.islink(e.path) else " (not a folder)"
+            clashes.append(e.name + (what if e in others else ""))
         if clashes:
             raise CheckpointError(
                 f"checkpoint folder {self.folder} already holds {', '.join(clashes[:3])}, which this run (steps "
@@ -375,14 +377,7 @@ class CheckpointManager:
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only)
         load(sd, path, md)
-        if not weights_only:
-            marker_step = (entry.marker() or {}).get("step", entry.step)
-            if marker_step != entry.step:
-                raise CheckpointError(
-                    f"checkpoint {path}: its {MARKER} says step {marker_step!r}, its name step {entry.step} "
-                    "(a renamed or crafted folder; not loaded)"
-                )
-            check_loaded_state(sd, path, entry.step, self._n_words())
+        self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]
         set_model_state_dict(model, {k: v for k, v in sd.items() if is_model_key(k)})
         if not weights_only:
@@ -396,6 +391,25 @@ class CheckpointManager:
         kind = "model weights only; training starts at step 0" if weights_only else "full state"
         logger.info(f"Loaded checkpoint {path} ({kind}) in {time.perf_counter() - t0:.2f} s")
         return int(sd[TRAIN_STATE]["step"]) if TRAIN_STATE in sd else 0
+
+    def _check_loaded(self, sd: dict[str, Any], entry: Entry, weights_only: bool) -> None:
+        """What `entry` loaded into `sd`, against what kiln writes (checkpoint_reader.check_loaded_state) and its
+        kiln.json step against its name, before anything is applied; every rank raises the first rank's refusal
+        (each checked its own shards)."""
+        error = None
+        try:
+            marker_step = (entry.marker() or {}).get("step", entry.step)
+            if not weights_only and marker_step != entry.step:
+                raise CheckpointError(
+                    f"checkpoint {entry.path}: its {MARKER} says step {marker_step!r}, its name step {entry.step} "
+                    "(a renamed or crafted folder; not loaded)"
+                )
+            check_loaded_state(sd, entry.path, None if weights_only else entry.step, self._n_words())
+        except CheckpointError as e:
+            error = str(e)
+        error = agree(error)
+        if error is not None:
+            raise CheckpointError(error)
 
     def _n_words(self) -> int:
         """The vocabulary the data loader's buffered token ids must lie in: the tokenizer's, else the model's."""
@@ -438,6 +452,10 @@ class CheckpointManager:
                 prepare_save(self.folder, name)
             except CheckpointError as e:
                 error = str(e)
+            except OSError as e:  # a full disk or a read-only remount: nothing of this save exists yet
+                newest = complete_steps(self.folder)
+                intact = f"; {step_dir(self.folder, newest[-1])} is intact" if newest else ""
+                error = f"saving checkpoint {name}: cannot create {name}.tmp in {self.folder}: {e}{intact}"
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [error]
             dist.broadcast_object_list(box, src=0, group=self._pg)  # also keeps ranks > 0 out of the folder till now
@@ -507,11 +525,9 @@ class CheckpointManager:
             except OSError:
                 free = "free space unknown"
             done = complete_steps(self.folder)
-            good = (
-                f"{step_dir(self.folder, done[-1])} is the newest complete checkpoint and is intact"
-                if done
-                else ("no complete checkpoint was saved before this one")
-            )
+            good = "no complete checkpoint was saved before this one"
+            if done:
+                good = f"{step_dir(self.folder, done[-1])} is the newest complete checkpoint and is intact"
             raise CheckpointError(
                 f"saving checkpoint {name} into {self.folder} failed ({reason}); the disk holding it has {free}; "
                 f"{good}; the partial {name}.tmp was removed. Free space (or set checkpoint.folder elsewhere) and "

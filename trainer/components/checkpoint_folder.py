@@ -104,16 +104,18 @@ class Entry:
         return marker
 
 
-def scan(folder: str, links: bool = False) -> list[Entry]:
-    """The names kiln may own under `folder` (directories only), in step order; with `links`, instead, those names
-    that are symbolic links (never loaded, written or removed: a save that would use one is refused)."""
+def scan(folder: str, others: bool = False) -> list[Entry]:
+    """The names kiln may own under `folder` (directories only), in step order; with `others`, instead, those names
+    held by something else (a symbolic link, a file, a FIFO): never loaded, written through or removed, and a save
+    that would use one is refused at start."""
     if not os.path.isdir(folder):
         return []
     entries = []
     for name in os.listdir(folder):
         m = _NAME.match(name)
         path = os.path.join(folder, name)
-        if m and (os.path.islink(path) if links else os.path.isdir(path) and not os.path.islink(path)):
+        real_dir = os.path.isdir(path) and not os.path.islink(path)
+        if m and real_dir != others:
             entries.append(Entry(path, int(m.group(2)), bool(m.group(1)), bool(m.group(3))))
     return sorted(entries, key=lambda e: (e.step, e.export, e.tmp))
 
@@ -134,7 +136,7 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- claiming
 
 
-def _agree(error: str | None) -> str | None:
+def agree(error: str | None) -> str | None:
     """Every rank learns the first rank's error (rank order), so all ranks raise the same one or none does."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return error
@@ -192,7 +194,7 @@ class FolderClaim:
                 self._lock = FolderLock(folder)
             except CheckpointError as e:
                 error = str(e)
-        error = _agree(error)  # every rank raises, or none does
+        error = agree(error)  # every rank raises, or none does
         if error is not None:
             self.release()
             raise CheckpointError(error)
@@ -264,7 +266,11 @@ def _remove_owned(folder: str, path: str) -> None:
     if os.path.islink(path):
         raise CheckpointError(f"{path} is a symbolic link; kiln never removes through a link: move it out of {folder}")
     trash = os.path.join(folder, f"{REMOVING}{os.path.basename(path)}-{os.getpid()}-{secrets.token_hex(4)}")
-    os.rename(path, trash)
+    try:
+        os.rename(path, trash)
+    except OSError as e:  # left as it was: a good checkpoint stays one, a killed save is tried again next start
+        logger.warning(f"Could not delete {path} ({e}); left in place")
+        return
     try:
         remove_tree(trash)
     except OSError as e:  # kiln's own private name: retried at the next start

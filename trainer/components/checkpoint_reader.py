@@ -39,7 +39,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import IO, Any, BinaryIO
 
 import torch
@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from kiln_base.errors import CheckpointError
@@ -202,7 +203,8 @@ def load_metadata(path: str | os.PathLike, rank: int | None = None) -> Metadata:
     file = _metadata_path(path, rank)
     require_regular(file)  # a FIFO would block the open
     with open(file, "rb") as f:
-        md = MetadataUnpickler(f, str(path)).load()
+        data = f.read()  # in memory: a pickled length (BINUNICODE8 of 2**40) reads no further than the file
+    md = MetadataUnpickler(io.BytesIO(data), str(path)).load()
     if not isinstance(md, Metadata):
         what = type(md).__name__
         raise UnsafeCheckpointError(f"checkpoint {path} refused: its .metadata holds a {what}, not DCP Metadata")
@@ -221,7 +223,7 @@ def read_metadata(path: str) -> Metadata:
     except CheckpointError:
         raise
     except Exception as e:  # unpickling garbage can raise almost anything
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        reason = " ".join(f"{type(e).__name__}{': ' if str(e) else ''}{e}".split())[:300]
         raise IncompleteCheckpointError(f"checkpoint {meta_file} is corrupt or truncated: {reason}") from None
     needed: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
@@ -408,10 +410,29 @@ def _is_float(v: Any) -> bool:
 MAX_SETTINGS_BYTES = 1 << 20  # train_state.settings is ~2 KB of JSON
 
 
-def check_loaded_state(sd: Mapping[str, Any], path: str, step: int, n_words: int) -> None:
-    """Every train_state, lr_scheduler and dataloader value a full checkpoint loaded into `sd`, against what kiln
-    writes, before any is applied: `step` is the step in the folder's name, `n_words` the vocabulary the data
-    loader's buffered token ids must lie in. CheckpointError naming the key and what is valid."""
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted key, this rank's tensor) of every tensor in a loaded state dict (a DTensor's local shard)."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix[:-1], tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def check_loaded_state(sd: Mapping[str, Any], path: str, step: int | None, n_words: int) -> None:
+    """Every value a checkpoint loaded into `sd`, against what kiln writes, before any is applied: each floating
+    tensor (weights, AdamW moments) finite, kiln never saves after a non-finite step; then, for a full checkpoint
+    (`step`: the step in the folder's name), every train_state, lr_scheduler and dataloader value, the step against
+    the folder's name and the data loader's buffered token ids below `n_words`. CheckpointError naming the key and
+    what is valid. This rank's shards only: the caller makes the ranks agree."""
+    for key, t in _tensors(sd):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"checkpoint {path}: '{key}' holds NaN or infinite values, but kiln never saves after a non-finite "
+                "step (a damaged or crafted checkpoint; not loaded)"
+            )
+    if step is None:
+        return
     ts = sd.get("train_state")  # the keys are this run's own (check_matches): each is checked when it is there
     if isinstance(ts, Mapping):
         if "step" in ts and (not _is_int(ts["step"]) or ts["step"] != step):

@@ -17,6 +17,7 @@ Used by scripts/convert_hf.py and by the Trainer's `checkpoint.initial_load_path
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from kiln_base.config import check_model_fields
-from kiln_base.errors import ConfigError
+from kiln_base.errors import ConfigError, UserError
 from kiln_base.files import (
     FileRefused,
     MiB,
@@ -390,9 +391,22 @@ def hf_weight_files(folder: str) -> dict[str, str]:
             require_regular(os.path.join(folder, name))
         except (OSError, ValueError) as e:
             raise ConfigError(f"{folder}: cannot read {name}: {e}") from None
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
+        with _reading(os.path.join(folder, name)), safe_open(os.path.join(folder, name), framework="pt") as f:
             out.update(dict.fromkeys(f.keys(), os.path.join(folder, name)))
     return out
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Around the reads of safetensors file `path`: a damaged file (safetensors' own error, a missing weight, a
+    bad header) is a ConfigError naming it."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # SafetensorError is not exported under one stable name across versions
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {reason})") from None
 
 
 def kiln_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -427,9 +441,12 @@ def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.T
     for name, path in hf_weight_files(folder).items():
         by_file.setdefault(path, []).append(name)
     for path, names in sorted(by_file.items()):
-        with safe_open(path, framework="pt") as f:
+        with _reading(path), safe_open(path, framework="pt") as f:
             for key in names:
-                kiln = kiln_name(key)
+                try:
+                    kiln = kiln_name(key)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
                 if kiln is None:
                     continue
                 stored = tuple(f.get_slice(key).get_shape())

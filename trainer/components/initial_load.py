@@ -24,7 +24,8 @@ from kiln_base.errors import CheckpointError, ConfigError
 from kiln_base.files import loads_json, read_bounded
 from models.args import ModelArgs, stored_model_args
 from trainer.components.checkpoint import MARKER, read_metadata, resolve_step_dir
-from trainer.components.checkpoint_folder import MARKER_LIMIT
+from trainer.components.checkpoint_folder import MARKER_LIMIT, agree
+from trainer.components.checkpoint_reader import check_loaded_state
 from trainer.components.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
 
 logger = logging.getLogger("kiln")
@@ -115,6 +116,7 @@ def load_initial(source: InitialSource, model: nn.Module) -> None:
                 raise CheckpointError(
                     f"{where}: '{name}' has shape {tuple(full.shape)} there but {tuple(target.shape)} in this model"
                 )
+            check_loaded_state({name: full}, source.path, None, 0)  # whole tensors: every rank sees the same
             _fill(target, full.to(target.device))
             seen.add(name)
         missing = sorted(set(targets) - seen - ({"output.weight"} if tied else set()))
@@ -127,6 +129,14 @@ def load_initial(source: InitialSource, model: nn.Module) -> None:
         md = read_metadata(source.path)
         check_matches(source.path, targets, md, weights_only=True)
         load(targets, source.path, md)
+        error = None
+        try:
+            check_loaded_state(targets, source.path, None, 0)  # this rank's shards; all ranks raise the first refusal
+        except CheckpointError as e:
+            error = str(e)
+        error = agree(error)
+        if error is not None:
+            raise CheckpointError(error)
     set_model_state_dict(model, dict(targets))  # a fresh dict[str, Any]: the API's value type is wider
     logger.info(
         f"Loaded initial weights from {source.path} ({'Hugging Face' if source.kind == 'hf' else 'kiln'}) "
