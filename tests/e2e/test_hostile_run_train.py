@@ -106,12 +106,13 @@ def test_a_kiln_json_of_a_million_layers_is_refused_for_memory(two_rank_checkpoi
     ("env", "args", "needle"),
     [
         ({"NGPU": "100000"}, (), "NGPU=100000: this node has no GPU and"),
+        ({"NGPU": "9" * 5000}, (), "NGPU=99999999999999999...: this node has no GPU and"),
         ({}, ("--training.dataset_path", "{fifo}"), "fifo.jsonl is a FIFO (named pipe), not a regular file"),
         ({}, ("--model.tokenizer_path", "{big}"), "big.model is 41,943,040 bytes, more than kiln reads"),
         ({}, ("--job.config_file", "{deep}"), "deep.toml: malformed TOML: arrays or tables nested deeper"),
         ({}, ("--training.dataset_path", "{deep_record}"), "record 1 (line 1): not valid JSON (nested deeper"),
     ],
-    ids=["ngpu", "fifo", "tokenizer", "toml", "record"],
+    ids=["ngpu", "ngpu-digits", "fifo", "tokenizer", "toml", "record"],
 )
 def test_bounds_at_start(tmp_path: Path, env: dict[str, str], args: tuple[str, ...], needle: str) -> None:
     if os.cpu_count() and os.cpu_count() * 4 >= 100000:  # pragma: no cover - a machine this large

@@ -83,6 +83,10 @@ def test_writes_never_follow_a_link(tmp_path: Path) -> None:
         open_no_follow(str(dangling), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     assert victim.read_text() == "precious" and not (tmp_path / "would-be-created").exists()
 
+    hard = tmp_path / "hard"
+    os.link(victim, hard)  # the same file under a second name: writing it writes the victim
+    with pytest.raises(FileRefused, match="has 1 other hard link"):
+        open_no_follow(str(hard), os.O_RDWR | os.O_CREAT)
     (tmp_path / "f.json.part").symlink_to(victim)  # a planted temp name
     with pytest.raises(FileRefused):
         write_atomic(str(tmp_path / "f.json"), b"{}")

@@ -114,6 +114,14 @@ def test_a_linked_lock_file_is_refused_and_its_target_untouched(run: Path, tmp_p
     assert not (tmp_path / "created").exists()
 
 
+@pytest.mark.parametrize("what", ["file", "fifo"])
+def test_a_save_name_held_by_a_file_is_refused_at_start(run: Path, what: str, capsys) -> None:
+    name = run / "checkpoint" / "step-4"
+    name.write_text("x") if what == "file" else os.mkfifo(name)
+    err = resume(run, capsys)
+    assert "already holds step-4 (not a folder), which this run (steps 3-4) would save again" in err, err
+
+
 def test_a_linked_tmp_in_the_way_of_a_save_is_refused_at_start(run: Path, tmp_path: Path, capsys) -> None:
     target = tmp_path / "elsewhere"
     target.mkdir()
@@ -412,6 +420,13 @@ def test_a_safetensors_header_larger_than_the_model_is_refused_before_reading(
     save_file(weights, str(folder / "model.safetensors"))
     err = convert_refused(capsys, "from_hf", str(folder), str(tmp_path / "ckpt"))
     assert "weight 'model.norm.weight' has shape (1000000,), but the model of config.json has (64,)" in err, err
+
+
+def test_a_damaged_safetensors_file_is_named(hf_folder: Path, tmp_path: Path, capsys) -> None:
+    folder = _hf_copy(hf_folder, tmp_path)
+    os.truncate(folder / "model.safetensors", 1000)
+    err = convert_refused(capsys, "from_hf", str(folder), str(tmp_path / "ckpt"))
+    assert f"{folder / 'model.safetensors'}: cannot read it as safetensors (SafetensorError" in err, err
 
 
 def test_convert_never_writes_through_a_link(good: Path, hf_folder: Path, tmp_path: Path, capsys) -> None:
