@@ -1,9 +1,11 @@
 """Model hyper-parameters and the Llama 3 / 3.1 / 3.2 flavors (Meta's published shapes and rope settings)."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kiln_base.config import ATTENTION_VARIANTS, BASE_FLAVORS, ModelShape, attention_flavor
+from kiln_base.config import ATTENTION_VARIANTS, BASE_FLAVORS, ModelShape, attention_flavor, check_model_fields
+from kiln_base.errors import ConfigError
 
 
 @dataclass
@@ -38,8 +40,32 @@ class ModelArgs:
         """What the config checks need to know of this shape (kiln_base/config/checks.py)."""
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         return ModelShape(
-            self.dim, self.n_layers, self.n_heads, kv, ffn_hidden_dim(self), self.vocab_size, self.attn_type
+            self.dim,
+            self.n_layers,
+            self.n_heads,
+            kv,
+            ffn_hidden_dim(self),
+            self.vocab_size,
+            attn_type=self.attn_type,
+            tied=self.tie_word_embeddings,
         )
+
+    def check_fields(self, where: str) -> None:
+        """Every field of the right type and in range (kiln_base.config.check_model_fields), ConfigError if not."""
+        check_model_fields({f.name: getattr(self, f.name) for f in fields(self)}, where)
+
+
+def stored_model_args(saved: Any, where: str) -> ModelArgs:
+    """ModelArgs from a stored mapping (a kiln.json's model_args), each field checked for type and range before
+    the model is computed with (`where` names the file in the ConfigError)."""
+    if not isinstance(saved, Mapping):
+        raise ConfigError(f"{where} stores no model_args (a JSON object of the model's shape)")
+    known = {f.name for f in fields(ModelArgs)}
+    unknown = sorted(str(k) for k in set(saved) - known)
+    if unknown:
+        raise ConfigError(f"{where} has model_args.{unknown[0]}, unknown to this kiln")
+    check_model_fields(saved, where)
+    return ModelArgs(**saved)
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:

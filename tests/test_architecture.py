@@ -2,7 +2,8 @@
 
 Folders, bottom to top (nothing imports a folder above its own):
 
-    kiln_base      errors and exit statuses, the config (schema, parser, checks), the private torch/torchao uses
+    kiln_base      errors and exit statuses, files others made, the config (schema, parser, checks), the private
+                   torch/torchao uses
     models         Llama 3: args per flavor, the nn.Module, FLOPs per token
     float8         the torchao converter, environment facts, first-step checks, the numerics observatory
     parallelisms   ParallelDims and the mesh, TP, activation checkpointing, compile, FSDP
@@ -24,7 +25,7 @@ import pytest
 from tests.helpers.common import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
-    ("kiln_base.errors",),
+    ("kiln_base.errors", "kiln_base.files"),
     ("kiln_base.config",),  # schema < values < torchtitan_compat, checks < parse (no cycles: see below)
     ("kiln_base.internals",),
     ("models",),
@@ -40,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 FOLDERS = ["kiln_base", "models", "float8", "parallelisms", "trainer", "entry points"]
 KILN_TOP = {"kiln_base", "trainer", "models", "float8", "parallelisms", "train", "launch", "scripts", "benchmarks"}
-STANDARD_LIBRARY_ONLY = ("kiln_base.errors", "kiln_base.config")
+STANDARD_LIBRARY_ONLY = ("kiln_base.errors", "kiln_base.files", "kiln_base.config")
 
 
 def _unit(module: str) -> tuple[int, str]:

@@ -4,6 +4,7 @@
     process_group      the default group and this rank's device; lost-peer watch
     model_args         flavor + model.* overrides (or the shape stored with checkpoint.initial_load_path) -> ModelArgs
     parallel_dims      degrees checked against the world, the shape and the device; the device mesh
+    check_fits         the model's training state fits this rank's memory (host RAM on a CPU, the GPU's on CUDA)
     data               the tokenizer's batches, this data-parallel rank's slice
     build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
@@ -11,11 +12,15 @@
     validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
 
+Before the model: the checkpoint folder is claimed (claim_checkpoint_folder) and the other output folders are
+checked writable (check_output_folders).
+
 Each phase is a function of what it needs, never of the Trainer; the hooks phase is `trainer.hooks.build_hooks`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -36,12 +41,15 @@ from kiln_base.config import (
     SHAPE_OVERRIDES,
     JobConfig,
     Model,
+    check_model_memory,
     check_model_shape,
     check_overrides_match_stored,
     check_parallel_plan,
     check_same_model,
     check_world,
 )
+from kiln_base.errors import ConfigError
+from kiln_base.files import writable_dir_problem
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
 from models.flops import CONVENTIONS as FLOP_CONVENTIONS
@@ -77,7 +85,9 @@ def model_args(
 ) -> ModelArgs:
     """The shape to build: the flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the model.*
     overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path (`source`),
-    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked.
+    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked, every
+    field first (types and ranges), whichever source gave it: the launcher runs this before torchrun starts a
+    rank (train.check_config), each rank before it builds.
 
     `seq_len`: the longest sequence the run feeds (the RoPE table's length); `bos_id`: the tokenizer's BOS, where
     a document starts under a document-masked flavor."""
@@ -85,6 +95,7 @@ def model_args(
         assert source is not None, "config checks require checkpoint.initial_load_path with from_checkpoint"
         check_overrides_match_stored(m, dataclasses.asdict(source.args), source.path)
         args = dataclasses.replace(source.args, max_seq_len=seq_len, bos_id=bos_id)
+        args.check_fields(source.path)
         check_model_shape(m, args.shape(), tokenizer_words, source.path)
         return args
     overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
@@ -92,10 +103,34 @@ def model_args(
         LLAMA3_FLAVORS[m.flavor],
         **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len, "bos_id": bos_id},
     )
+    args.check_fields(f"flavor {m.flavor} + model.* overrides")
     check_model_shape(m, args.shape(), tokenizer_words)
     if source is not None:
         check_same_model(m.flavor, source.path, first_difference(source.args, args))
     return args
+
+
+def memory_capacity(device: torch.device) -> tuple[int, str]:
+    """The bytes one rank's training state must fit in, and what they are: the GPU's memory on CUDA, else the
+    host's RAM (the smaller of the physical memory and a cgroup v2 limit, in a container)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the memory of {props.name} ({device})"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as f:
+            ram = min(ram, int(f.read().strip()))  # "max" (no limit) is a ValueError
+    return ram, "this machine's RAM"
+
+
+def check_fits(cfg: JobConfig, args: ModelArgs, shards: int, ranks_sharing: int, device: torch.device) -> None:
+    """The model's fp32 weights, gradients and AdamW state split over `shards` ranks, and one micro-batch's logits,
+    for the `ranks_sharing` ranks on one memory, fit that memory (kiln_base.config.check_model_memory); skipped by
+    a dry run, which plans any size and prints its own estimate."""
+    capacity, what = memory_capacity(device)
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    tp = cfg.parallelism.tensor_parallel_degree
+    check_model_memory(args.shape(), shards, tokens, tp, ranks_sharing, capacity, what)
 
 
 def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> ParallelDims:
@@ -204,6 +239,23 @@ def checkpointer(
 
 def checkpoint_folder(cfg: JobConfig) -> str:
     return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+
+
+def check_output_folders(cfg: JobConfig, device_type: str) -> None:
+    """The folders this run writes besides its checkpoints (profiler traces, CUDA memory snapshots, TensorBoard)
+    are created and take a file now, on every rank: a read-only dump folder once ended a run in a segfault at its
+    first profiler trace."""
+    p, m, dump = cfg.profiling, cfg.metrics, cfg.job.dump_folder
+    snapshots = p.enable_memory_snapshot and device_type == "cuda"  # CPU runs write none (profiling.py warns)
+    for on, key, sub in (
+        (p.enable_profiling, "profiling.save_traces_folder", p.save_traces_folder),
+        (snapshots, "profiling.save_memory_snapshot_folder", p.save_memory_snapshot_folder),
+        (m.enable_tensorboard, "metrics.save_tb_folder", m.save_tb_folder),
+    ):
+        folder = os.path.join(dump, sub)
+        problem = writable_dir_problem(folder) if on else None
+        if problem is not None:
+            raise ConfigError(f"{key}: {folder} (under job.dump_folder) {problem}")
 
 
 def claim_checkpoint_folder(cfg: JobConfig) -> FolderClaim | None:

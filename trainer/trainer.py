@@ -86,12 +86,16 @@ class Trainer:
         self.float8 = build.float8_converter(cfg.float8, cfg.parallelism.tensor_parallel_degree)
         self.device, self.peers = build.process_group(cfg)
         self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
+        build.check_output_folders(cfg, self.device.type)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         # The RoPE table covers the longest sequence the run feeds: training's, or validation's when longer.
         longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
         args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
+        shards = self.parallel_dims.dp_shard * self.parallel_dims.tp
+        local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        build.check_fits(cfg, args, shards, local_ranks, self.device)
         dp_degree = self.parallel_dims.dp_degree
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
         set_determinism(t.seed, t.deterministic)

@@ -2,7 +2,9 @@
 
     check_config(cfg)                      the config alone (ranges, flag combinations, files and packages): parse time
     check_world(cfg, world_size)           + the world size: the launcher before torchrun, each rank at start
+    check_model_fields(...)                + a model's fields, from any source: before anything computes with them
     check_model_shape(...)                 + the model's shape: the launcher and each rank, before any build
+    check_model_memory(...)                + the machine's memory: the launcher and each rank, before any build
     check_parallel_plan(...)               + the shape, the degrees and the device type: each rank, before the build
     check_float8_device(...)               + what the GPUs and torch can do: each rank, before the build
 
@@ -25,6 +27,7 @@ from kiln_base.config.schema import (
     Float8,
     JobConfig,
     Model,
+    Range,
     Training,
     resolve_mixed_precision,
     validation_shape,
@@ -83,9 +86,10 @@ def check_config(cfg: JobConfig) -> None:
         f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {block}",
     )
     if not cfg.job.dry_run and not cfg.job.print_config:
+        found = "not a regular file" if os.path.exists(cfg.model.tokenizer_path) else "file not found"
         _check(
             os.path.isfile(cfg.model.tokenizer_path),
-            f"model.tokenizer_path: file not found: {cfg.model.tokenizer_path} "
+            f"model.tokenizer_path: {found}: {cfg.model.tokenizer_path} "
             "(point it at a tiktoken BPE file such as Llama3's tokenizer.model)",
         )
         val_path = cfg.validation.dataset_path if cfg.validation.enable else None  # read only when validating
@@ -221,9 +225,79 @@ class ModelShape:
     ffn_hidden_dim: int
     vocab_size: int
     attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
+    tied: bool = False  # tie_word_embeddings: the output layer is the embedding
 
 
 SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
+
+# Every field of models.args.ModelArgs, its type and its valid values, whichever source gave it (a flavor and
+# model.* overrides, a Hugging Face config.json, a kiln.json): checked before anything computes with the values.
+# Sizes stay below 2**31 (kernels index with int32); how large a model the machine holds is check_model_memory's.
+_SIZE = Range(lo=1, hi=2**31 - 1)
+MODEL_FIELDS: dict[str, tuple[str, Range | None]] = {
+    "dim": ("int", _SIZE),
+    "n_layers": ("int", _SIZE),
+    "n_heads": ("int", _SIZE),
+    "n_kv_heads": ("int or null", _SIZE),
+    "vocab_size": ("int", _SIZE),
+    "multiple_of": ("int", _SIZE),
+    "ffn_dim_multiplier": ("number or null", Range(lo=0, lo_open=True, hi=1_000_000)),
+    "norm_eps": ("number", Range(lo=0, lo_open=True, hi=1)),
+    "rope_theta": ("number", Range(lo=0, lo_open=True)),
+    "rope_scaling": ("bool", None),
+    "rope_scaling_factor": ("number", Range(lo=0, lo_open=True)),
+    "rope_low_freq_factor": ("number", Range(lo=0, lo_open=True)),
+    "rope_high_freq_factor": ("number", Range(lo=0, lo_open=True)),
+    "rope_original_max_seq_len": ("int", _SIZE),
+    "max_seq_len": ("int", _SIZE),
+    "context_len": ("int", _SIZE),
+    "depth_init": ("bool", None),
+    "tie_word_embeddings": ("bool", None),
+    "attn_type": ("str", None),
+    "attn_mask_type": ("str", None),
+    "bos_id": ("int or null", Range(lo=0, hi=2**31 - 1)),
+}
+MODEL_CHOICES: dict[str, tuple[str, ...]] = {
+    "attn_type": ("sdpa", "flex", "varlen"),
+    "attn_mask_type": ("causal", "block_causal"),
+}
+
+
+def _of_type(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("or null")
+    if kind.startswith("int"):
+        return type(value) is int
+    if kind.startswith("number"):
+        return type(value) in (int, float)
+    if kind.startswith("str"):
+        return type(value) is str
+    return type(value) is bool
+
+
+def check_model_fields(values: Mapping[str, Any], where: str) -> None:
+    """Each ModelArgs field in `values` (field name -> value) has its type and lies in its range (MODEL_FIELDS),
+    before anything divides by a head count or allocates a layer: ConfigError naming `where` and the field."""
+    for name, value in values.items():
+        if name not in MODEL_FIELDS:
+            raise ConfigError(
+                f"{where}: model field '{name}' is unknown to this kiln (fields: {', '.join(MODEL_FIELDS)})"
+            )
+        kind, valid = MODEL_FIELDS[name]
+        if not _of_type(value, kind):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ConfigError(f"{where}: model {name} must be {'an' if kind[0] == 'i' else 'a'} {kind}, got {shown}")
+        if valid is not None and value is not None and not valid.contains(value):
+            raise ConfigError(f"{where}: model {name} must be {valid.describe(value)}, got {value!r}")
+        if name in MODEL_CHOICES and value not in MODEL_CHOICES[name]:
+            raise ConfigError(f"{where}: model {name} must be one of {', '.join(MODEL_CHOICES[name])}, got {value!r}")
+    if values.get("rope_scaling") and values.get("rope_high_freq_factor", 4.0) <= values.get(
+        "rope_low_freq_factor", 1.0
+    ):
+        raise ConfigError(
+            f"{where}: rope scaling needs rope_high_freq_factor > rope_low_freq_factor (it divides by their "
+            f"difference), got {values.get('rope_high_freq_factor')} and {values.get('rope_low_freq_factor')}"
+        )
 
 
 def check_overrides_match_stored(m: Model, stored: Mapping[str, Any], source: str) -> None:
@@ -249,7 +323,8 @@ def check_same_model(flavor: str, source: str, difference: tuple[str, Any, Any] 
 
 def check_model_shape(m: Model, shape: ModelShape, tokenizer_words: int, source: str = "") -> None:
     """The shape to build (flavor + model.* overrides, or the one stored at `source`) against the tokenizer and
-    itself: whole heads of even size (RoPE rotates pairs), whole query groups, room for every token id."""
+    itself: whole heads of even size (RoPE rotates pairs), whole query groups, room for every token id. The fields
+    are in range already (check_model_fields)."""
     if shape.vocab_size < tokenizer_words:
         if source:
             raise ConfigError(
@@ -265,6 +340,51 @@ def check_model_shape(m: Model, shape: ModelShape, tokenizer_words: int, source:
         raise ConfigError(f"{heads}: n_heads must divide dim into heads of even size (RoPE rotates pairs)")
     if shape.n_heads % shape.n_kv_heads:
         raise ConfigError(f"{heads}: n_kv_heads must divide n_heads (each key/value head serves a whole group)")
+
+
+# fp32 master weight (4) + fp32 gradient (4) + AdamW's two fp32 moments (8): what training keeps per parameter,
+# before activations (docs/config.md's dry run adds those).
+TRAINING_BYTES_PER_PARAM = 16
+
+
+def model_params(shape: ModelShape) -> int:
+    """Parameters of a Llama 3 model of this shape (embedding, per layer q/k/v/o, SwiGLU, two norms; final norm;
+    the output layer unless tied): models.flops.num_params counts the same on a built model."""
+    head_dim = shape.dim // shape.n_heads
+    attention = 2 * shape.dim * shape.dim + 2 * shape.dim * shape.n_kv_heads * head_dim
+    layer = attention + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
+    embedding = shape.vocab_size * shape.dim
+    return embedding * (1 if shape.tied else 2) + shape.n_layers * layer + shape.dim
+
+
+def training_bytes(shape: ModelShape, shards: int) -> int:
+    """Bytes one rank holds for weights, gradients and AdamW state with the model split over `shards` ranks (FSDP
+    shard degree x TP degree; replicas each hold their own copy)."""
+    return model_params(shape) * TRAINING_BYTES_PER_PARAM // max(shards, 1)
+
+
+def check_model_memory(
+    shape: ModelShape, shards: int, tokens: int, tp: int, ranks_sharing: int, capacity: int, what: str
+) -> None:
+    """What training must hold fits in `capacity` bytes (`what`: that memory, for the message), or no rank starts
+    building: the model's fp32 weights, gradients and AdamW state (16 bytes a parameter, / `shards`: FSDP shard
+    degree x TP degree) and the fp32 logits of one micro-batch of `tokens` tokens with their gradient (8 bytes x
+    vocabulary a token, / `tp`), for each of the `ranks_sharing` ranks on that memory (a CPU node's ranks share its
+    RAM; a GPU is one rank's). A model that cannot fit would allocate for minutes before the OOM killer ends it
+    without a word. A lower bound (other activations come on top); a dry run plans any size."""
+    state = training_bytes(shape, shards)
+    logits = tokens * shape.vocab_size * 8 // max(tp, 1)
+    need = (state + logits) * ranks_sharing
+    if need > capacity:
+        gib = 2**30
+        raise ConfigError(
+            f"the model ({model_params(shape):,} parameters: {shape.n_layers} layers, dim {shape.dim}, vocab "
+            f"{shape.vocab_size}) needs at least {need / gib:,.1f} GiB: {state / gib:,.1f} GiB a rank for fp32 "
+            f"weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} bytes a parameter / {max(shards, 1)} "
+            f"shards) and {logits / gib:,.1f} GiB of logits, x {ranks_sharing} rank(s), more than {what} "
+            f"({capacity / gib:,.1f} GiB); use a smaller model.* shape, batch or tokenizer, or more ranks "
+            "(--job.dry_run plans any size)"
+        )
 
 
 # ----------------------------------------------------------------------------- the parallel plan

@@ -115,7 +115,7 @@ MISTAKES = [
         "tiny.jsonl is too small to fill one sequence",
         False,
     ),
-    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", False),
+    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", True),
     (
         "checkpoint_model",
         ["--job.dump_folder", "{ckpt2}", "--checkpoint.enable_checkpoint", "--model.n_layers", "1"],
@@ -133,7 +133,7 @@ MISTAKES = [
             "--training.compile",
         ],
         "needs CUDA",
-        False,
+        True,
     ),
     ("varlen_cpu", ["--model.flavor", "debugmodel_varlen_attn"], "use model.flavor debugmodel_flex_attn", False),
     (

@@ -299,6 +299,53 @@ def test_flatten_state_dict() -> None:
     assert mapping["model.w"] == ("model", "w")
 
 
+def test_record_checking_reader_sees_every_record_before_it_is_read(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(4.0), "n": 3}, checkpoint_id=str(tmp_path), no_dist=True)
+    seen = []
+
+    class Recording(internals.RecordCheckingReader):
+        def check_record(self, file: Any, info: Any) -> None:
+            assert isinstance(info, internals.DCPStorageInfo)
+            seen.append((info.relative_path, info.length))
+
+    sd = {"w": torch.zeros(4), "n": 0}
+    dcp.load(sd, storage_reader=Recording(str(tmp_path)), no_dist=True)
+    assert torch.equal(sd["w"], torch.arange(4.0)) and sd["n"] == 3
+    assert len(seen) == 2 and all(length > 0 for _, length in seen)
+
+    class Refusing(internals.RecordCheckingReader):
+        def check_record(self, file: Any, info: Any) -> None:
+            raise ValueError("refused")
+
+    with pytest.raises(BaseException) as refused:  # DCP gathers it into a CheckpointException (a BaseException)
+        dcp.load({"w": torch.zeros(4), "n": 0}, storage_reader=Refusing(str(tmp_path)), no_dist=True)
+    failures = getattr(refused.value, "failures", {0: (refused.value,)})
+    assert "refused" in str(next(iter(failures.values()))[0])
+
+
+def test_build_checking_unpickler_sees_every_build() -> None:
+    import io
+    import pickle
+
+    seen: list[Any] = []
+
+    class Recording(internals.BuildCheckingUnpickler):
+        def check_build(self, target: Any) -> None:
+            seen.append(target)
+
+    value = timedelta(seconds=1), partial(int, base=2)  # partial pickles its state with BUILD
+    assert Recording(io.BytesIO(pickle.dumps(value))).load()[1]("11") == 3
+    assert any(isinstance(t, partial) for t in seen)
+    # GLOBAL + BUILD: state set on a class itself (the class is the target the hook sees)
+    crafted = b"\x80\x04\x8c\x08builtins\x94\x8c\x03int\x94\x93\x94N}\x94\x8c\x01x\x94K\x01s\x86\x94b."
+    seen.clear()
+    with pytest.raises(TypeError):  # `int` takes no attributes; the hook saw the class first
+        Recording(io.BytesIO(crafted)).load()
+    assert seen == [int]
+
+
 # ----------------------------------------------------------------------------- CUDA memory history (signatures: no GPU)
 
 

@@ -150,19 +150,8 @@ class TokenWindows:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"sequences", "epoch", "shard", "record", "buffer"}
-        if set(state) != expected:
-            raise CheckpointError(
-                f"the checkpoint's data-loader state has keys {sorted(state)}, expected {sorted(expected)} "
-                "(saved by an older kiln with per-rank positions?)"
-            )
-        ints = [state[k] for k in ("sequences", "epoch", "shard", "record")]
-        buffer = state["buffer"]
-        if not all(type(v) is int for v in ints) or type(buffer) is not list or any(type(t) is not int for t in buffer):
-            raise CheckpointError(
-                "the checkpoint's data-loader position is not plain integers (sequences, epoch, shard, record and a "
-                "list of token ids); it was not written by this kiln and is not used"
-            )
+        """A position from a checkpoint: its values were checked (plain integers, token ids inside the vocabulary)
+        by checkpoint_reader.check_loaded_state; the shard must exist in this dataset."""
         if not 0 <= state["shard"] < self.n_shards:
             raise CheckpointError(
                 f"the checkpoint's data position is in shard {state['shard'] + 1}, but {self.source} has "
@@ -205,6 +194,11 @@ class DataLoader:
 
     def __iter__(self) -> DataLoader:
         return self
+
+    @property
+    def n_words(self) -> int:
+        """The tokenizer's vocabulary: every token id of a batch (and of a saved position) lies below it."""
+        return self.windows.tokenizer.n_words
 
     def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         rows = []

@@ -14,6 +14,7 @@ from typing import Any
 
 from kiln_base.config import Training, Validation
 from kiln_base.errors import ConfigError, DataError
+from kiln_base.files import loads_json, require_regular
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,6 +72,12 @@ def _local_files(path: str, section: str) -> tuple[str, list[str]]:
     kind = kinds.pop()
     assert kind is not None
     for f in files:
+        try:
+            require_regular(f)  # a FIFO or device would block the first read, or never end
+        except OSError as e:
+            raise ConfigError(f"training.dataset_path: cannot read {f}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ConfigError(f"training.dataset_path: {e} (give .jsonl/.json/.parquet/.txt files)") from None
         _check_readable(f, kind)
     return kind, files
 
@@ -132,9 +139,11 @@ def first_bad_record(path: str, key: str, max_records: int | None = None) -> str
                 continue
             record += 1
             try:
-                problem = record_problem(json.loads(line.rstrip("\r\n")), key)
+                problem = record_problem(loads_json(line.rstrip("\r\n")), key)
             except json.JSONDecodeError as e:
                 return f"record {record} (line {line_no}): not valid JSON ({e.msg}, column {e.colno})"
+            except ValueError as e:  # nested too deep to parse
+                return f"record {record} (line {line_no}): not valid JSON ({e})"
             if problem is not None:
                 return f"record {record} (line {line_no}): {problem}; every record needs a string '{key}' field"
     return None
@@ -157,7 +166,7 @@ class JsonLinesFiles:
                 if not raw.decode("utf-8").strip():
                     continue
                 if seen >= start:
-                    yield json.loads(raw)
+                    yield loads_json(raw)
                 seen += 1
 
 

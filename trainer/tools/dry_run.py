@@ -23,7 +23,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import build_float8_converter, is_float8_linear
-from kiln_base.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, resolve_mixed_precision
+from kiln_base.config import (
+    ActivationCheckpoint,
+    Float8,
+    JobConfig,
+    Parallelism,
+    Training,
+    resolve_mixed_precision,
+    training_bytes,
+)
 from kiln_base.internals import init_fake_process_group, unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.grad_reduce import reduction_line
@@ -181,6 +189,11 @@ def dry_run(cfg: JobConfig) -> str:
         lines.append(f"memory per device (estimate; local batch {t.local_batch_size} x seq {t.seq_len}):")
         lines += [f"  {k:<32} {v / 2**30:9.2f} GiB" for k, v in mem.items()]
         lines.append(f"  {'total':<32} {sum(mem.values()) / 2**30:9.2f} GiB")
+        state = training_bytes(args.shape(), dims.dp_shard * dims.tp)
+        lines.append(
+            f"  start-up check (not applied to a dry run): {state / 2**30:,.2f} GiB a rank of weights, gradients and "
+            "AdamW state must fit the rank's memory (host RAM on a CPU node, shared by its ranks; the GPU's)"
+        )
         lines.append(f"dry run took {time.perf_counter() - t0:.1f}s; nothing was allocated or trained")
         return "\n".join(lines)
     finally:
