@@ -149,6 +149,8 @@ FLOPS = re.compile(
     r"FLOPs/token: (?P<full>[\d.]+) G attention full .*?, (?P<causal>[\d.]+) G causal .*?"
     r"MFU and TFLOP/s count (?P<used>full|causal)"
 )
+ACTIVE = re.compile(r"  active: (?P<active>[\d.]+)GiB")  # kiln's step line on CUDA: peak active memory
+MFU_FP8 = re.compile(r"  mfu_fp8: (?P<mfu_fp8>[\d.]+)%")  # kiln's step line with float8 on: against the fp8 peak
 BLOCKS = re.compile(r"blocks: (?P<total>[\d.]+) ms per step \(forward (?P<fwd>[\d.]+), backward (?P<bwd>[\d.]+);")
 
 
@@ -170,7 +172,9 @@ class Row:
     mfu_causal: float | None = None
     tflops_full: float | None = None  # per device: tps x FLOPs/token
     tflops_causal: float | None = None
-    memory_gib: float | None = None
+    memory_gib: float | None = None  # peak reserved (both engines' step line)
+    memory_active_gib: float | None = None  # peak active (kiln on CUDA)
+    mfu_fp8: float | None = None  # kiln with float8: median mfu against the float8 peak
     final_loss: float | None = None
     step_ms: float | None = None  # whole step: tokens_per_step / tps
     blocks_ms: float | None = None  # transformer blocks' forward + backward inside the step
@@ -185,6 +189,8 @@ class Row:
     host: str = field(default_factory=lambda: os.uname().nodename)
     args: list[str] = field(default_factory=list)
     engine: str = "kiln"  # or "torchtitan"
+    profile: int = 0  # steps profiled after the measured ones (kiln), their kernel-time line below
+    kernels: str | None = None
 
     @property
     def id(self) -> str:
@@ -212,7 +218,7 @@ def train_args(row: Row, preset: dict, extra: list[str], dump: Path) -> list[str
         "--job.config_file",
         preset["config"],
         "--training.steps",
-        str(row.warmup + row.steps),
+        str(row.warmup + row.steps + row.profile),
         "--metrics.log_freq",
         "1",
         "--job.dump_folder",
@@ -235,6 +241,8 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
     else:
         row.args = train_args(row, preset, extra, out / "outputs" / name)
         script = ["benchmarks/row.py", "--bench.warmup", str(row.warmup), *row.args]
+        if row.profile:
+            script[1:1] = ["--bench.profile_steps", str(row.profile)]
         if row.nproc > 1:
             cmd = ["torchrun", f"--nproc_per_node={row.nproc}", "--rdzv_endpoint=localhost:0", *script]
         else:
@@ -261,13 +269,17 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
     lines = output.splitlines()
     pattern = TT_STEP if row.engine == "torchtitan" else STEP
     steps = [m.groupdict() for m in map(pattern.search, lines) if m]
-    measured = [s for s in steps if int(s["step"]) > row.warmup]
+    measured = [s for s in steps if row.warmup < int(s["step"]) <= row.warmup + row.steps]
     row.measured_steps = len(measured)
     if measured:
         row.tps = statistics.median(float(s["tps"].replace(",", "")) for s in measured)
         mfus = [float(s["mfu"].rstrip("%")) for s in measured if s["mfu"] != "n/a"]
         row.mfu = statistics.median(mfus) if mfus else None
         row.memory_gib = max(float(s["mem"]) for s in measured)
+        actives = [float(m["active"]) for m in map(ACTIVE.search, lines) if m and STEP.search(m.string)]
+        row.memory_active_gib = max(actives[-len(measured) :]) if actives else None
+        fp8 = [float(m["mfu_fp8"]) for m in map(MFU_FP8.search, lines) if m and STEP.search(m.string)]
+        row.mfu_fp8 = statistics.median(fp8[-len(measured) :]) if fp8 else None
         row.final_loss = float(measured[-1]["loss"])
         row.step_ms = 1e3 * row.tokens_per_step / row.tps if row.tps else None
     flops = next((m for m in map(FLOPS.search, lines) if m), None)
@@ -279,6 +291,7 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
     blocks = next((m for m in map(BLOCKS.search, lines) if m), None)
     if blocks:
         row.blocks_ms, row.blocks_fwd_ms, row.blocks_bwd_ms = (float(blocks[k]) for k in ("total", "fwd", "bwd"))
+    row.kernels = next((line for line in lines if line.startswith("kernels: ")), None)
     if timed_out:
         row.error = f"timeout after {timeout:.0f} s ({len(measured)} of {row.steps} measured steps)"
     elif proc.returncode != 0 or not measured:
@@ -433,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=None, help="processes (torchrun) per row")
     ap.add_argument("--warmup", type=int, default=None, help="steps before measuring; default: the preset's")
     ap.add_argument("--steps", type=int, default=None, help="measured steps; default: the preset's")
+    ap.add_argument("--profile", type=int, default=0, help="kiln: profile this many steps after the measured ones")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per row before it is killed")
     ap.add_argument("--rows", default=None, help="which rows: indices, ranges or ids (see --list); default: all")
     ap.add_argument("--skip-done", action="store_true", help="skip rows already in --out without an error")
@@ -494,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = Row(a.preset, precision, compile_, ac, preset["nproc"], preset["warmup"], preset["steps"], tokens)
         row.engine = a.engine
+        row.profile = a.profile if a.engine == "kiln" else 0
         record = append_row(out, run_one(row, preset, a.extra, out, preset["timeout"]))
         print(f"[{i}] {md_line(record)}", flush=True)
     print(f"\nall rows in {out}:\n{summary(out)}", end="")

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from benchmarks import row as bench_row
 from benchmarks import run
 from benchmarks.row import BlockTimer
 from trainer.hooks import StepOutput
@@ -131,3 +132,53 @@ def test_gpu_bundle_check_uses_the_presets_shape() -> None:
     keys = ("--job.config_file", "--model.n_layers", "--model.vocab_size", "--training.seq_len")
     for key in (*keys, "--training.local_batch_size"):
         assert run._flag(KILN_SHAPE, key, "") == run._flag(every, key, "?"), key
+
+
+def test_kernel_categories_of_h200_kernel_names() -> None:
+    """Names from the 2026-11-26 H200 profile (docs/performance.md): Inductor's fused kernels are named after every
+    op they fuse, the matmul feeding them included, and are never counted as GEMMs."""
+    names = {
+        "nvjet_sm90_qqtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "gemm",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "triton_tem_fused_mm_1": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128": "attention",
+        "triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_clone_exp2_floor_log2_mul_reciprocal": "casts/amax",
+        "triton_poi_fused__to_copy_clamp_exp2_floor_log2_mul_reciprocal_t_20": "casts/amax",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norms",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": "optimizer",
+        "triton_poi_fused_mul_silu_3": "other",
+    }
+    assert {n: bench_row.category(n) for n in names} == names
+
+
+def test_kernel_breakdown_counts_overlap_once_for_idle() -> None:
+    spans = [("nvjet_gemm", 0.0, 40.0), ("flash_fwd", 30.0, 50.0), ("triton_poi_fused_amax", 70.0, 80.0)]
+    parts = bench_row.breakdown(spans, window_us=100.0)  # shares are of kernel time + idle (110 us here)
+    assert (parts["gemm"], parts["attention"], parts["casts/amax"]) == (40.0, 20.0, 10.0)
+    assert parts["idle"] == 100.0 - 60.0  # busy 0-50 and 70-80
+    line = bench_row.format_breakdown(parts, steps=2)
+    assert line.startswith("kernels: ") and "idle 36.4% (0.04 ms) of 0.11 ms" in line and line.endswith("over 2 steps")
+
+
+def test_profiled_steps_are_left_out_of_the_measured_ones(tmp_path: Path) -> None:
+    """--profile N: the last N steps are profiled (a kernels line) and neither the step medians nor the block
+    timer count them."""
+    code = run.main(
+        ["--preset", "tiny", "--precision", "bf16", "--warmup", "1", "--steps", "2", "--profile", "1"]
+        + ["--out", str(tmp_path)]
+    )
+    assert code == 0
+    (row,) = run.load_rows(tmp_path)
+    assert row["error"] is None and row["measured_steps"] == 2
+    assert row["kernels"].startswith("kernels: ") and row["kernels"].endswith("over 1 steps")
+    log = (tmp_path / "logs" / "bf16_eager_ac-none.log").read_text()
+    assert "step:  4" in log and "median of 2 steps" in log
+
+
+def test_kiln_cuda_step_line_extras_parse() -> None:
+    line = (
+        "02:50:59 INFO step:  5  loss:  7.7183  memory: 43.96GiB(31.44%)  tps: 33,922  mfu: 57.77%  grad_norm:  1.0"
+        "  lr: 1.2500e-04  data: 0.0%  eta: 0:00:01  active: 41.99GiB  mfu_fp8: 28.77%"
+    )
+    assert run.STEP.search(line)
+    assert run.ACTIVE.search(line)["active"] == "41.99" and run.MFU_FP8.search(line)["mfu_fp8"] == "28.77"

@@ -78,6 +78,12 @@ class MemoryMonitor:
             return torch.cuda.max_memory_reserved(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
+    def peak_active_bytes(self) -> int | None:
+        """Peak bytes held by live tensors (CUDA); reserved adds the caching allocator's cached blocks."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_stats(self.device).get("active_bytes.all.peak", 0)
+        return None
+
     def reset(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -166,6 +172,9 @@ class MetricsLogger:
         }
         if mfu is not None:
             metrics["mfu"] = mfu
+        active = self.memory.peak_active_bytes()
+        if active is not None:
+            metrics["memory_active_gib"] = active / 2**30
         mfu_fp8 = None if self.peak.float8 is None else 100.0 * tps * self.flops_per_token / self.peak.float8
         if self.float8 and mfu_fp8 is not None:
             metrics["mfu_fp8"] = mfu_fp8
@@ -175,6 +184,8 @@ class MetricsLogger:
             steps_per_s = self._steps_since_log / elapsed if self._steps_since_log else 0.0
             eta = (total_steps - step) / steps_per_s if steps_per_s else 0.0
             extra = f"  data: {metrics['data_loading_pct']:.1f}%  eta: {_hms(eta)}"
+            if active is not None:
+                extra += f"  active: {metrics['memory_active_gib']:.2f}GiB"
             if self.float8:  # how far from the float8 ceiling; mfu itself stays on the bf16 scale
                 extra += "  mfu_fp8: " + ("n/a" if mfu_fp8 is None else f"{mfu_fp8:.2f}%")
             if validation is not None:

@@ -79,6 +79,7 @@ class SavedActivationReport:
     rows: list[OpRow]
     total_bytes: int
     regions: list[str] = field(default_factory=list)
+    cuda_held_bytes: int | None = None  # CUDA: memory allocated during the forward and still held at its end
 
     @property
     def compiled(self) -> bool:
@@ -100,6 +101,9 @@ class SavedActivationReport:
             line = f"{r.op:<52} {r.count:>6} {','.join(sorted(r.dtypes)):<26} {r.nbytes:>14,} {share:>7}"
             lines.append(line + (f"  {'+'.join(sorted(r.where)) or '-'}" if where else ""))
         lines.append(f"saved_activations_total_bytes: {self.total_bytes}")
+        if self.cuda_held_bytes is not None:  # the report's cross-check against the allocator
+            ratio = f"{self.total_bytes / self.cuda_held_bytes:.3f}" if self.cuda_held_bytes > 0 else "n/a"
+            lines.append(f"cuda_allocated_after_forward_bytes: {self.cuda_held_bytes} (report / allocated: {ratio})")
         return "\n".join(lines + self.regions)
 
 
@@ -175,7 +179,11 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
 
     def keep(t: torch.Tensor) -> None:
         for p in _plain_tensors(t):
-            kept.setdefault(_storage_key(p), p)
+            try:
+                key = _storage_key(p)
+            except RuntimeError:  # "invalid python storage": a traced SAC cache's tensor (CUDA, compile), no memory
+                continue
+            kept.setdefault(key, p)
 
     params = {_storage_key(p) for q in model.parameters() for p in _plain_tensors(q.detach())}
 
@@ -215,8 +223,15 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
         # partition, run eagerly; an eager model is measured as before.
         backend = inductor_partition_backend(producer_mode.graph_run) if compiled else None
         stance = torch.compiler.set_stance("default", force_backend=backend) if compiled else contextlib.nullcontext()
+        cuda, cuda_held = torch.cuda.is_available() and torch.cuda.is_initialized(), 0
+        if cuda:
+            torch.cuda.synchronize()
+            allocated_before = torch.cuda.memory_allocated()
         with capture_sac_caches() as sac_modes, producer_mode, hooks, stance:
             loss = forward()
+        if cuda:
+            torch.cuda.synchronize()
+            cuda_held = torch.cuda.memory_allocated() - allocated_before
         for t in sac_cached_tensors(sac_modes):
             keep(t)
     finally:
@@ -237,7 +252,9 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
     kept.clear()  # drop our references before backward frees the graph
     loss.backward()
     regions = _regions(model, runs, producer_mode.graph_runs) if compiled else []
-    return SavedActivationReport(sorted(rows.values(), key=lambda r: -r.nbytes), total, regions)
+    report = SavedActivationReport(sorted(rows.values(), key=lambda r: -r.nbytes), total, regions)
+    report.cuda_held_bytes = cuda_held if cuda else None
+    return report
 
 
 def _regions(model: nn.Module, runs: dict[str, int], graph_runs: int) -> list[str]:
