@@ -39,7 +39,8 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
     trainer.loss_fn = build_loss_fn(compiled)
     try:
         inputs, labels = (t.to(trainer.device) for t in next(trainer.dataloader))
-        trainer.forward_backward(inputs, labels)  # warm-up: compiles the loss, allocates the gradients
+        batch = trainer.local_batch(inputs, labels)
+        trainer.forward_backward(batch)  # warm-up: compiles the loss, allocates the gradients
         cuda = trainer.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -49,13 +50,13 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             before = _proc_kib("VmRSS") * 1024
-        loss = trainer.forward_backward(inputs, labels)
+        loss = trainer.forward_backward(batch)
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
             peak = _proc_kib("VmHWM") * 1024
-        logits_numel = inputs.numel() * trainer.model.output.out_features
+        logits_numel = batch.inputs.numel() * trainer.model.output.out_features
         return {
             "loss": "compiled" if compiled else "eager",
             "peak_mib": (peak - before) / 2**20,

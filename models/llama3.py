@@ -5,7 +5,9 @@ and checkpoints written for torchtitan apply unchanged. No distributed code live
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +72,8 @@ def precompute_freqs_cis(
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k, each (bs, seqlen, heads, head_dim), by the first seqlen rows of freqs_cis."""
-    # Slicing here (not in Transformer.forward) keeps the full buffer visible to context parallelism.
+    """Rotate q and k, each (bs, seqlen, heads, head_dim), by the first seqlen rows of freqs_cis (the rows of the
+    tokens' positions: Transformer.forward selects them when the tokens are not positions 0..seqlen-1)."""
     seqlen = xq.shape[1]
     freqs_cis = freqs_cis[:seqlen].view(1, seqlen, 1, -1)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
@@ -94,8 +96,29 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
+# The attention proper, after the projections and RoPE: (q (bs, seqlen, n_heads, head_dim), k and v (bs, seqlen,
+# n_kv_heads, head_dim)) -> (bs, seqlen, n_heads, head_dim), causal over the tokens' positions in the sequence.
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over a whole sequence held here (an AttentionCore): each kv head serves n_rep query heads."""
+    n_rep = xq.shape[2] // xk.shape[2]
+    keys, values = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+    # SDPA wants (bs, heads, seqlen, head_dim).
+    out = F.scaled_dot_product_attention(
+        xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
+    )
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Causal grouped-query self-attention with RoPE.
+
+    `core` computes the attention itself (an AttentionCore): `causal_attention` unless parallelisms/ replaces it,
+    e.g. with context parallelism's, which sees only this rank's part of each sequence and exchanges keys and
+    values with the other ranks.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -107,6 +130,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.core: AttentionCore = causal_attention
 
     @staticmethod
     def param_inits(init_std: float) -> dict[str, ParamInit]:
@@ -126,13 +150,8 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        keys = repeat_kv(xk, self.n_rep)
-        values = repeat_kv(xv, self.n_rep)
-        # SDPA wants (bs, heads, seqlen, head_dim).
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
-        )
-        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+        out = self.core(xq, xk, xv)
+        return self.wo(out.contiguous().view(bs, seqlen, -1))
 
 
 class FeedForward(nn.Module):
@@ -218,7 +237,7 @@ class Transformer(nn.Module):
             out["tok_embeddings.weight"] = ParamInit("trunc_normal", std, 3.0) if tied else ParamInit("normal")
         for name, layer in self.layers.items():
             if layer is not None:  # a block, or its AC/compile wrapper (which forwards attributes)
-                out |= {f"layers.{name}.{k}": v for k, v in layer.param_inits().items()}
+                out |= {f"layers.{name}.{k}": v for k, v in cast(TransformerBlock, layer).param_inits().items()}
         if self.norm is not None:
             out["norm.weight"] = ParamInit("ones")
         if self.output is not None:
@@ -245,11 +264,15 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             inits[unwrapped_fqn(name)].fill_(param, generator)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
-        whichever of tok_embeddings / norm / output a pipeline stage has removed."""
+        whichever of tok_embeddings / norm / output a pipeline stage has removed.
+
+        `positions` (seqlen,) int64: where in the sequence each token sits, when the tokens are not positions
+        0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -5,7 +5,8 @@
     model_args         flavor + model.* overrides (or the shape stored with checkpoint.initial_load_path) -> ModelArgs
     parallel_dims      degrees checked against the world, the shape and the device; the device mesh
     data               the tokenizer's batches, this data-parallel rank's slice
-    build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
+    build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (CP, TP, AC, compile,
+                       FSDP)
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
     optimizer          AdamW + the LR schedule
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
@@ -94,13 +95,20 @@ def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> Parallel
     check_world(cfg, world)
     check_parallel_plan(cfg, args.shape(), device_type)
     p = cfg.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree, world)
+    dims = ParallelDims(
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+        world,
+        cp=p.context_parallel_degree,
+    )
     dims.build_mesh(device_type)
     return dims
 
 
 def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device) -> DataLoader:
-    """This data-parallel rank's slice of every global batch (ranks of one TP group read the same batches)."""
+    """This data-parallel rank's slice of every global batch (ranks of one TP or CP group read the same batches;
+    a CP rank keeps its part of each sequence: Trainer.local_batch)."""
     dp_rank = dims.dp_mesh.get_local_rank()
     return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
 

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
+from parallelisms.context_parallel import build_context_parallel
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
 from trainer.components.checkpoint import step_dir
@@ -33,6 +35,17 @@ from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
 logger = logging.getLogger("kiln")
+
+
+@dataclass
+class Batch:
+    """The part of a micro-batch this rank computes: token ids and labels (bs, seq) and, under context parallelism,
+    the tokens' positions in their sequences and the loss normalizer (ContextParallel.shard_batch)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    normalizer: torch.Tensor | None = None
 
 
 def log_precision(param: str, precision: str, device_type: str) -> None:
@@ -85,9 +98,10 @@ class Trainer:
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"
+            if not self.parallel_dims.fully_shard_enabled and self.precision == "bfloat16"
             else contextlib.nullcontext()
         )
+        self.cp = build_context_parallel(self.parallel_dims, cfg.parallelism)  # each rank's part of a sequence
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
 
@@ -133,20 +147,27 @@ class Trainer:
             logger.warning(line)
         self.step = int(state["step"])
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
+        """What this rank computes of a micro-batch its data-parallel rank reads: all of it, or under context
+        parallelism its part of every sequence, the tokens' positions and the loss normalizer."""
+        if self.cp is None:
+            return Batch(inputs, labels)
+        return Batch(*self.cp.shard_batch(inputs, labels))
+
+    def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Forward and fp32 cross-entropy of one micro-batch."""
         with self.amp:
-            logits = self.model(inputs)
-        return self.loss_fn(logits, labels)
+            logits = self.model(batch.inputs, batch.positions)
+        return self.loss_fn(logits, batch.labels, batch.normalizer)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
         with self.loss_context():
-            loss = self.forward_loss(inputs, labels)
+            loss = self.forward_loss(batch)
             (loss / self.grad_accum_steps).backward()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
         return loss.detach()
@@ -154,9 +175,9 @@ class Trainer:
     def report_saved_activations(self) -> SavedActivationReport:
         """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
         inputs, labels = next(self.dataloader)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        batch = self.local_batch(inputs.to(self.device), labels.to(self.device))
         with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
-            report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
+            report = measure_saved_activations(self.model, lambda: self.forward_loss(batch))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
             logger.info(f"Tensors kept for backward by producing op (rank {dist.get_rank()}):\n{report.format()}")
@@ -173,8 +194,9 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, labels = next(self.dataloader)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            tokens, data_time = tokens + inputs.numel(), data_time + time.perf_counter() - t0
-            loss_sum += self.forward_backward(inputs, labels)
+            batch = self.local_batch(inputs, labels)
+            tokens, data_time = tokens + batch.inputs.numel(), data_time + time.perf_counter() - t0
+            loss_sum += self.forward_backward(batch)
         self.metrics.count_step(tokens, data_time)  # once per step, not per micro-batch: the ETA counts steps
         max_norm = self.cfg.training.max_norm
         # foreach: batched kernels on CUDA. A CPU has none (torch loops over the tensors either way), and there the
@@ -190,10 +212,10 @@ class Trainer:
         return loss_sum / self.grad_accum_steps, grad_norm
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
-        """Mean over data-parallel ranks; called on log steps only (.item() syncs with the host)."""
-        if self.parallel_dims.dp_enabled:
+        """Mean over data- and context-parallel ranks; called on log steps only (.item() syncs with the host)."""
+        if self.parallel_dims.dp_enabled or self.parallel_dims.cp_enabled:
             loss = loss.clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.parallel_dims.dp_mesh.get_group())
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.parallel_dims.loss_mesh.get_group())
         return loss.item()
 
     def build_hooks(self) -> list[StepHook]:

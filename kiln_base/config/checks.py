@@ -12,13 +12,14 @@ standard-library only and instant. A failed check raises ConfigError: one line n
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln_base.config.schema import FROM_CHECKPOINT, MXFP8_BLOCK, Float8, JobConfig, Model, Training
+from kiln_base.config.schema import FROM_CHECKPOINT, MXFP8_BLOCK, Float8, JobConfig, Model, Parallelism, Training
 from kiln_base.errors import ConfigError
 
 
@@ -61,11 +62,13 @@ def check_config(cfg: JobConfig) -> None:
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
-    tokens = t.local_batch_size * t.seq_len
+    cp = cfg.parallelism.context_parallel_degree
+    tokens = t.local_batch_size * t.seq_len // cp  # a context-parallel rank holds 1/cp of each sequence
+    per_rank = "training.local_batch_size x seq_len" + (f" / context_parallel_degree ({cp})" if cp > 1 else "")
     _check(
         not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or tokens % MXFP8_BLOCK == 0,
         f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {MXFP8_BLOCK} tokens, but "
-        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {MXFP8_BLOCK}",
+        f"{per_rank} = {tokens}; make it a multiple of {MXFP8_BLOCK}",
     )
     if not cfg.job.dry_run and not cfg.job.print_config:
         _check(
@@ -119,24 +122,29 @@ def _check_float8_flags(cfg: Float8) -> None:
         )
 
 
-def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> int:
+def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1) -> int:
     """data_parallel_shard_degree for this world size (-1 = the rest); ConfigError unless the degrees multiply to
     the world size. ParallelDims and check_world both call this."""
-    for name, value in (("data_parallel_replicate_degree", dp_replicate), ("tensor_parallel_degree", tp)):
+    for name, value in (
+        ("data_parallel_replicate_degree", dp_replicate),
+        ("context_parallel_degree", cp),
+        ("tensor_parallel_degree", tp),
+    ):
         if value < 1:
             raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
-    others = dp_replicate * tp
+    others = dp_replicate * cp * tp
+    named = "data_parallel_replicate_degree x " + ("context_parallel_degree x " if cp > 1 else "")
     if dp_shard == -1:
         if world_size % others:
             raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree = {others} "
-                f"does not divide the world size {world_size}"
+                f"parallelism: {named}tensor_parallel_degree = {others} does not divide the world size {world_size}"
             )
         dp_shard = world_size // others
-    if dp_shard < 1 or dp_replicate * dp_shard * tp != world_size:
+    if dp_shard < 1 or dp_replicate * dp_shard * cp * tp != world_size:
+        cp_part = f"context_parallel_degree ({cp}) x " if cp > 1 else ""
         raise ConfigError(
             f"parallelism: data_parallel_replicate_degree ({dp_replicate}) x data_parallel_shard_degree "
-            f"({dp_shard}) x tensor_parallel_degree ({tp}) must equal the world size {world_size}"
+            f"({dp_shard}) x {cp_part}tensor_parallel_degree ({tp}) must equal the world size {world_size}"
         )
     return dp_shard
 
@@ -157,12 +165,32 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
     """What the config and the world size decide: the degrees multiply to the world, the global batch divides,
     sequence parallel splits every sequence. run_train.sh runs it before torchrun starts a rank; ParallelDims too."""
     p = cfg.parallelism
-    tp = p.tensor_parallel_degree
-    dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size)
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp)
     grad_accum_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard)
-    if cfg.training.seq_len % tp:  # sequence parallel splits every sequence into tp pieces
+    check_sequence_split(cfg.training.seq_len, p)
+
+
+def check_sequence_split(seq_len: int, p: Parallelism) -> None:
+    """Context parallelism splits every sequence into chunks (2 x degree with head-tail load balancing), and
+    sequence parallel (TP) splits each rank's part again into tensor_parallel_degree pieces: all must be whole."""
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    if cp > 1:
+        chunks = 2 * cp if p.context_parallel_load_balancer else cp
+        how = (
+            f"2 x context_parallel_degree = {chunks} chunks (context_parallel_load_balancer headtail: rank i holds "
+            f"chunks i and {chunks - 1} - i)"
+            if p.context_parallel_load_balancer
+            else f"context_parallel_degree = {cp} chunks"
+        )
+        if seq_len % chunks:
+            raise ConfigError(f"training.seq_len ({seq_len}) must split into {how}; make it a multiple of {chunks}")
+    if (seq_len // cp) % tp:  # sequence parallel splits every rank's part of a sequence into tp pieces
+        part = f"each context-parallel rank's {seq_len // cp} tokens" if cp > 1 else f"training.seq_len ({seq_len})"
+        multiple = cp * math.lcm(tp, 2 if cp > 1 and p.context_parallel_load_balancer else 1)
         raise ConfigError(
-            f"training.seq_len ({cfg.training.seq_len}) must be divisible by tensor_parallel_degree ({tp})"
+            f"{part} must be divisible by tensor_parallel_degree ({tp}) (sequence parallel splits them); make "
+            f"training.seq_len a multiple of {multiple}"
         )
 
 

@@ -185,7 +185,6 @@ def _compile_components(value: list[str]) -> bool:
 # ----------------------------------------------------------------------------- the table
 
 PP_ONLY = "only read when parallelism.pipeline_parallel_degree > 1, which kiln refuses"
-CP_ONLY = "only read when parallelism.context_parallel_degree > 1, which kiln refuses"
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
 FT_ONLY = "only read when fault_tolerance.enable is true, which kiln refuses"
 VAL_ONLY = "only read when validation.enable is true, which kiln refuses"
@@ -388,17 +387,13 @@ ROWS_LIST: tuple[Key, ...] = (
     ignore_any("parallelism.pipeline_parallel_schedule_csv", ALL, PP_ONLY),
     ignore_any("parallelism.pipeline_parallel_microbatch_size", ALL, PP_ONLY),
     ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, PP_ONLY),
-    ignore_if(
-        "parallelism.context_parallel_degree",
-        ALL,
-        int,
-        (1,),
-        "context parallelism off",
-        "context parallelism is not supported; use tensor_parallel_degree, activation_checkpoint.mode full or a "
-        "shorter training.seq_len",
+    honour("parallelism.context_parallel_degree", ALL, "kiln's own CP attention (CPU and CUDA; docs/parallelisms.md)"),
+    honour("parallelism.context_parallel_rotate_method", ALL),
+    honour(
+        "parallelism.context_parallel_load_balancer",
+        V022,
+        '`"headtail"` or none; `"ptrr"` (torchtitan\'s flex-attention balancer) is refused',
     ),
-    ignore_any("parallelism.context_parallel_rotate_method", ALL, CP_ONLY),
-    ignore_any("parallelism.context_parallel_load_balancer", V022, CP_ONLY),
     ignore_if("parallelism.expert_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
     ignore_if("parallelism.expert_tensor_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
     ignore_any("parallelism.expert_parallel_comm_backend", V021, EP_ONLY),

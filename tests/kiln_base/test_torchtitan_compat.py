@@ -240,7 +240,10 @@ REFUSALS = [
         "--parallelism.pipeline_parallel_degree = 4: pipeline parallelism is not supported; "
         "use tensor_parallel_degree / FSDP",
     ),
-    (["--parallelism.context_parallel_degree", "2"], "context_parallel_degree = 2: context parallelism is not"),
+    (
+        ["--parallelism.context_parallel_load_balancer", "ptrr"],
+        "--parallelism.context_parallel_load_balancer: 'ptrr' is not a valid choice; choose from headtail",
+    ),
     (["--metrics.enable_wandb"], "--metrics.enable_wandb = true: Weights & Biases is not supported; use metrics."),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
     (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs; kiln trains dense"),
