@@ -17,7 +17,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
+from kiln_base.config import (
+    CPU_BF16_COST,
+    JobConfig,
+    check_memory_budget,
+    grad_accum_steps,
+    resolve_mixed_precision,
+)
 from parallelisms.context_parallel import build_context_parallel
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
@@ -31,6 +37,7 @@ from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
+from trainer.tools.dry_run import memory_estimate
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
@@ -88,6 +95,9 @@ class Trainer:
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
+        rotate = cfg.parallelism.context_parallel_rotate_method
+        estimate = memory_estimate(self.model, args, t, cfg.activation_checkpoint, self.parallel_dims, rotate)
+        check_memory_budget(cfg, estimate)  # training.memory_budget_gib, before any weight is allocated
         logger.info(
             f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"

@@ -294,6 +294,24 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
         )
 
 
+def check_memory_budget(cfg: JobConfig, estimate: Mapping[str, int]) -> None:
+    """training.memory_budget_gib against the per-rank estimate (trainer/tools/dry_run.py's memory_estimate: name ->
+    bytes), each rank before anything is allocated."""
+    budget = cfg.training.memory_budget_gib
+    total = sum(estimate.values())
+    if budget is None or total <= budget * 2**30:
+        return
+    gib = 2**30
+    parts = ", ".join(f"{name} {value / gib:.3g}" for name, value in estimate.items())
+    p = cfg.parallelism
+    raise ConfigError(
+        f"training.memory_budget_gib {budget:g}: this rank would need about {total / gib:.3g} GiB ({parts}); "
+        f"raise parallelism.context_parallel_degree ({p.context_parallel_degree}) or data_parallel_shard_degree, "
+        "checkpoint more activations (activation_checkpoint.mode) or shorten training.seq_len "
+        f"({cfg.training.seq_len})"
+    )
+
+
 # ----------------------------------------------------------------------------- float8 and the machine
 
 MIN_TORCHAO = (0, 18)  # Float8LinearConfig.from_recipe_name, fp32 output for rowwise, _auto_filter_for_recipe

@@ -210,6 +210,13 @@ class Training:
         None, "Random seed; same seed, same init.", valid=Range(lo=0, hi=2**64 - 1, note="torch.manual_seed's range")
     )
     deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
+    memory_budget_gib: float | None = _f(
+        None,
+        "Memory one rank may use, in GiB: before any weight is allocated, the dry run's per-rank estimate (weights, "
+        "gradients, optimizer state, one micro-batch's activations, context-parallel buffers) must fit in it, or "
+        "the run stops (exit 2) naming the estimate; unset = no check.",
+        valid=POSITIVE,
+    )
 
 
 @dataclass

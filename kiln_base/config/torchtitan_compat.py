@@ -178,6 +178,15 @@ def _comm_mode(value: str) -> dict[str, Any]:
     return {"job.dry_run": True} if value == "fake_backend" else {}
 
 
+def _cp_load_balancer(value: str | None) -> dict[str, Any]:
+    if value == "ptrr":
+        raise Refused(
+            "the per-token round-robin balancer serves torchtitan's flex attention (document masks), which kiln's "
+            'context-parallel attention does not run; use "headtail" (or none)'
+        )
+    return {"parallelism.context_parallel_load_balancer": value}
+
+
 def _compile_components(value: list[str]) -> bool:
     return "model" in value and set(value) <= {"model", "loss"}
 
@@ -389,10 +398,12 @@ ROWS_LIST: tuple[Key, ...] = (
     ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, PP_ONLY),
     honour("parallelism.context_parallel_degree", ALL, "kiln's own CP attention (CPU and CUDA; docs/parallelisms.md)"),
     honour("parallelism.context_parallel_rotate_method", ALL),
-    honour(
+    mapped(
         "parallelism.context_parallel_load_balancer",
         V022,
-        '`"headtail"` or none; `"ptrr"` (torchtitan\'s flex-attention balancer) is refused',
+        str | None,
+        _cp_load_balancer,
+        'honoured: `"headtail"` or none; `"ptrr"` (torchtitan\'s balancer for flex attention) refused',
     ),
     ignore_if("parallelism.expert_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
     ignore_if("parallelism.expert_tensor_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
@@ -807,7 +818,9 @@ def resolve(
             if row.type is not bool and not (isinstance(row.action, Ignore) and row.action.accept is None):
                 raise ConfigError(f"--{row.name}: needs a value")
             name, where, raw = row.name, f"--{row.name}", row.name == name
-        out_cli += [(*target.split(".", 1), value) for target, value in apply(name, raw, where).items()]
+        # An unset optional value travels as "none": the parser reads a None value as a bare flag.
+        assigned = apply(name, raw, where).items()
+        out_cli += [(*target.split(".", 1), "none" if value is None else value) for target, value in assigned]
     check_both_spellings()
 
     for note in notes.values():

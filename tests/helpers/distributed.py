@@ -89,4 +89,22 @@ def train_in_group(argv: list[str], store: str) -> Any:
     reopened through `store` if needed; compiled graphs of earlier runs dropped); the closed Trainer."""
     reopen_group(store)
     torch._dynamo.reset()  # each run compiles its own blocks, never reuses another run's graphs
+    forget_dtensor_plans()
     return run_trainer(argv)
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached redistribution plans before another Trainer in the same process.
+
+    DTensor caches sharding decisions and redistribution plans by placements and mesh, and meshes compare equal by
+    layout and names, not by their process groups: a later Trainer's equal mesh gets the earlier one's, whose
+    groups died with the earlier process group. Group names restart with each process group, so an old mesh's
+    names usually name the new groups too; a flattened mesh (dp_shard_cp) is created in another order and does
+    not ("Could not resolve the process group registered under the name 15"). Only a process that builds
+    several Trainers meets this: the tests."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # output specs with their meshes (the Python and the C++ fast-path caches)
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()

@@ -242,7 +242,7 @@ REFUSALS = [
     ),
     (
         ["--parallelism.context_parallel_load_balancer", "ptrr"],
-        "--parallelism.context_parallel_load_balancer: 'ptrr' is not a valid choice; choose from headtail",
+        '--parallelism.context_parallel_load_balancer = "ptrr": the per-token round-robin balancer serves',
     ),
     (["--metrics.enable_wandb"], "--metrics.enable_wandb = true: Weights & Biases is not supported; use metrics."),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),

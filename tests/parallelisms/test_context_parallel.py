@@ -4,11 +4,13 @@ without head-tail load balancing; the sequence layout, the attention kernels' ca
 The parity runs go through the Trainer (parse_args + Trainer on gloo ranks), fp32 and deterministic, from the same
 seed (the layout-independent init gives every layout the same weights) and the same global batches: the losses of
 every step within 1e-5 relative of one process's, and the gradients of step 1 (full tensors, as the optimizer gets
-them) close to one process's. One spawned group per world size trains all four settings in turn.
+them) close to one process's. One spawned group per world size trains all four settings in turn, then the
+long-context run (a sequence over one rank's memory budget) and, on 2 ranks, the saved-activation report.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import train
 from models.llama3 import causal_attention
 from parallelisms.context_parallel import ContextParallel, SequenceLayout, attention_backward, attention_forward
 from tests.helpers.common import DEBUG_CONFIG, free_port, open_trainer
@@ -77,16 +80,58 @@ def _train(argv: list[str]) -> dict[str, Any]:
     return {"losses": trainer.losses, "grads": grads, "input_shapes": sorted(set(seen))}
 
 
-def _train_settings(world: int, folder: str) -> None:
-    """On each rank of one group: every CP setting in turn, CP degree = the world; rank 0 saves what it saw to
-    `folder`/results.pt (tensors cannot travel back through the result queue once the rank has exited)."""
-    out = {}
+# Long context: seq 4096 is over training.memory_budget_gib for one rank (the dry run's estimate: 0.18 GiB) and
+# under it for CP 2 (0.10 GiB) and CP 4 (0.06 GiB).
+LONG = (
+    *("--job.config_file", DEBUG_CONFIG, "--model.n_layers", "2", "--training.seq_len", "4096"),
+    *("--training.local_batch_size", "1", "--training.steps", "2", "--training.seed", "0", "--metrics.log_freq", "1"),
+    *("--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none"),
+    *("--training.memory_budget_gib", "0.12"),
+)
+# The saved-activation report per rank: one forward/backward at seq 512.
+REPORT = (
+    *("--job.config_file", DEBUG_CONFIG, "--model.n_layers", "2", "--training.seq_len", "512"),
+    *("--training.local_batch_size", "1", "--training.seed", "0", "--training.mixed_precision_param", "float32"),
+    *("--activation_checkpoint.mode", "none", "--profiling.saved_activations_report"),
+)
+
+
+def _saved_bytes(argv: list[str]) -> int:
+    with open_trainer(argv) as trainer:
+        return trainer.report_saved_activations().total_bytes
+
+
+def _cp_group(world: int, folder: str) -> None:
+    """On each rank of one group (CP degree = the world): every parity setting in turn, the long-context run and,
+    on 2 ranks, the saved-activation report; rank 0 saves what it saw to `folder`/results.pt (tensors cannot
+    travel back through the result queue once the rank has exited)."""
+    cp = (f"{P}context_parallel_degree", str(world))
+    out: dict[str, Any] = {"parity": {}}
     for i, (name, extra) in enumerate(SETTINGS.items()):
         reopen_group(f"{folder}/store_{i}")
-        argv = [*COMMON, f"{P}context_parallel_degree", str(world), *extra, "--job.dump_folder", f"{folder}/{name}"]
-        out[name] = _train(argv)
+        out["parity"][name] = _train([*COMMON, *cp, *extra, "--job.dump_folder", f"{folder}/{name}"])
+    reopen_group(f"{folder}/store_long")
+    out["long"] = _train([*LONG, *cp, "--job.dump_folder", f"{folder}/long"])["losses"]
+    if world == 2:
+        reopen_group(f"{folder}/store_report")
+        out["saved_bytes"] = _saved_bytes([*REPORT, *cp, "--job.dump_folder", f"{folder}/report"])
     if int(os.environ["RANK"]) == 0:
         torch.save(out, f"{folder}/results.pt")
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """What rank 0 of the CP `world`-rank group saw; each group runs once, when first asked."""
+    done: dict[int, dict[str, Any]] = {}
+
+    def get(world: int) -> dict[str, Any]:
+        if world not in done:
+            folder = tmp_path_factory.mktemp(f"cp{world}")
+            run_distributed(_cp_group, world, world, str(folder))
+            done[world] = torch.load(folder / "results.pt")
+        return done[world]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +142,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_matches_one_process(world: int, reference: dict[str, Any], tmp_path: Path) -> None:
-    run_distributed(_train_settings, world, world, str(tmp_path))
-    results = torch.load(tmp_path / "results.pt")
+def test_cp_matches_one_process(world: int, reference: dict[str, Any], cp_runs: Any) -> None:
+    results = cp_runs(world)["parity"]
+    assert results.keys() == SETTINGS.keys()
     ref_losses = torch.tensor(reference["losses"])
     for name, result in results.items():
         assert result["input_shapes"] == [(2, SEQ // world)], (name, result["input_shapes"])  # only its part
@@ -109,6 +154,31 @@ def test_cp_matches_one_process(world: int, reference: dict[str, Any], tmp_path:
             ref = reference["grads"][param]
             worst = ((g - ref).abs().max() / ref.abs().max()).item()
             assert worst < GRAD_TOL, f"{name}: {param} differs by {worst:.2e} of its largest gradient"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sequence_over_one_ranks_memory_budget_trains_with_cp(
+    world: int, cp_runs: Any, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """training.memory_budget_gib: one rank refuses seq 4096 before allocating anything (exit 2, one line naming
+    the key and the estimate); CP 2 and CP 4 split it and train."""
+    assert train.main([*LONG, "--job.dump_folder", str(tmp_path)]) == 2
+    (line,) = capfd.readouterr().err.strip().splitlines()
+    assert line.startswith("kiln: error: training.memory_budget_gib 0.12: this rank would need about 0.18"), line
+    assert "raise parallelism.context_parallel_degree (1)" in line, line
+    losses = cp_runs(world)["long"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cp2_keeps_half_the_activation_bytes_per_rank(cp_runs: Any, tmp_path: Path) -> None:
+    """The saved-activation report per rank (seq 512, no AC, fp32): CP 2 keeps at most 0.55x one rank's bytes
+    (measured 0.500x; at seq 8192 too: docs/parallelisms.md)."""
+    one = _saved_bytes([*REPORT, "--job.dump_folder", str(tmp_path)])
+    assert cp_runs(2)["saved_bytes"] <= 0.55 * one, (cp_runs(2)["saved_bytes"], one)
 
 
 # ----------------------------------------------------------------------------- layout and attention, one process
