@@ -819,8 +819,9 @@ def resolve(
                 raise ConfigError(f"--{row.name}: needs a value")
             name, where, raw = row.name, f"--{row.name}", row.name == name
         # An unset optional value travels as "none": the parser reads a None value as a bare flag.
-        assigned = apply(name, raw, where).items()
-        out_cli += [(*target.split(".", 1), "none" if value is None else value) for target, value in assigned]
+        for target, value in apply(name, raw, where).items():
+            target_section, _, target_key = target.partition(".")
+            out_cli.append((target_section, target_key, "none" if value is None else value))
     check_both_spellings()
 
     for note in notes.values():
