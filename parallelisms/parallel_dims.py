@@ -61,19 +61,17 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The mesh (dp_replicate, dp_shard, cp, tp), the last innermost (torchtitan's order), with flattened
-        dimensions: `dp` (dp_replicate x dp_shard) for data loading, `dp_shard_cp` for FSDP's shard group and
-        `dp_cp` for averaging the loss over every rank that holds different tokens."""
+        dimensions: `dp` (dp_replicate x dp_shard) for data loading and, with context parallelism, `dp_shard_cp`
+        for FSDP's shard group and `dp_cp` for averaging the loss over every rank that holds different tokens."""
         mesh = init_device_mesh(
             device_type,
             (self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
         )
-        for name, dims in (
-            ("dp", ("dp_replicate", "dp_shard")),
-            ("dp_shard_cp", ("dp_shard", "cp")),
-            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
-        ):
-            self._flat[name] = flatten_mesh(mesh[dims], name)
+        self._flat["dp"] = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        if self.cp_enabled:  # without CP they would equal dp_shard and dp: no extra process groups then
+            self._flat["dp_shard_cp"] = flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
+            self._flat["dp_cp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         self._mesh = mesh
         return mesh
 
@@ -91,10 +89,10 @@ class ParallelDims:
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """What fully_shard shards over: dp_shard x cp flattened, as (dp_replicate, dp_shard_cp) for HSDP."""
+        if not self.cp_enabled:
+            return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else self.mesh["dp_shard"]
         if not self.dp_replicate_enabled:
             return self._flat["dp_shard_cp"]
-        if not self.cp_enabled:
-            return self.mesh["dp_replicate", "dp_shard"]
         with warnings.catch_warnings():
             # torch 2.13 warns that slicing a flattened dimension out of the root mesh "will be deprecated"; it is
             # torchtitan's HSDP x CP mesh too, and there is no other public way to pair dp_replicate with it.
@@ -106,7 +104,7 @@ class ParallelDims:
         """Every rank holding different tokens of the global batch (dp_replicate x dp_shard x cp): the logged loss
         is their mean."""
         assert self._flat, "build_mesh() first"
-        return self._flat["dp_cp"]
+        return self._flat["dp_cp" if self.cp_enabled else "dp"]
 
     @property
     def cp_mesh(self) -> DeviceMesh:

@@ -21,9 +21,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import train
+from kiln_base.config import check_world, parse_args
+from kiln_base.errors import ConfigError
 from models.llama3 import causal_attention
 from parallelisms.context_parallel import ContextParallel, SequenceLayout, attention_backward, attention_forward
-from tests.helpers.common import DEBUG_CONFIG, free_port, open_trainer
+from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port, open_trainer
 from tests.helpers.distributed import reopen_group, run_distributed
 
 P = "--parallelism."
@@ -179,6 +181,28 @@ def test_cp2_keeps_half_the_activation_bytes_per_rank(cp_runs: Any, tmp_path: Pa
     (measured 0.500x; at seq 8192 too: docs/parallelisms.md)."""
     one = _saved_bytes([*REPORT, "--job.dump_folder", str(tmp_path)])
     assert cp_runs(2)["saved_bytes"] <= 0.55 * one, (cp_runs(2)["saved_bytes"], one)
+
+
+@pytest.mark.parametrize("release", ["v0.1.0", "v0.2.2"])
+def test_torchtitan_toml_with_cp_keys_runs_as_it_is(release: str, tmp_path: Path) -> None:
+    """torchtitan's own debug config (tests/fixtures/torchtitan) with its CP keys set: read with their meanings,
+    and its seq_len 2048 splits into 2 x 2 head-tail chunks on 2 ranks."""
+    text = (ROOT / "tests" / "fixtures" / "torchtitan" / release / "debug_model.toml").read_text()
+    keys = 'context_parallel_degree = 2\ncontext_parallel_rotate_method = "alltoall"'
+    if release == "v0.2.2":  # the load balancer key came with v0.2.2
+        keys += '\ncontext_parallel_load_balancer = "headtail"'
+    assert "context_parallel_degree = 1" in text
+    (tmp_path / "cp.toml").write_text(text.replace("context_parallel_degree = 1", keys))
+    cfg = parse_args(["--job.config_file", str(tmp_path / "cp.toml")])
+    p = cfg.parallelism
+    assert (p.context_parallel_degree, p.context_parallel_rotate_method, p.context_parallel_load_balancer) == (
+        2,
+        "alltoall",
+        "headtail",
+    )
+    check_world(cfg, 2)
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        check_world(cfg, 3)
 
 
 # ----------------------------------------------------------------------------- layout and attention, one process
