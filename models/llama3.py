@@ -2,6 +2,9 @@
 
 Module and attribute names match torchtitan exactly so that tensor-parallel plans, FQN filters
 and checkpoints written for torchtitan apply unchanged. No distributed code lives here.
+
+Blocks take (x, freqs_cis, attention_mask): the mask is None for causal attention, or the batch's document mask
+(models/attention.py), built once per forward from the token ids.
 """
 
 import math
@@ -15,6 +18,7 @@ from torch import nn
 
 from kiln_base.internals import unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
+from models.attention import SUPPORTED, AttentionMask, attend, block_causal_mask, varlen_mask
 
 
 @dataclass(frozen=True)
@@ -97,25 +101,23 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 # The attention proper, after the projections and RoPE: (q (bs, seqlen, n_heads, head_dim), k and v (bs, seqlen,
-# n_kv_heads, head_dim)) -> (bs, seqlen, n_heads, head_dim), causal over the tokens' positions in the sequence.
-AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# n_kv_heads, head_dim), the batch's mask (None: causal)) -> (bs, seqlen, n_heads, head_dim).
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
 
 
-def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over a whole sequence held here (an AttentionCore): each kv head serves n_rep query heads."""
+def attention_core(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Attention over a whole sequence held here (an AttentionCore): each kv head serves n_rep query heads."""
     n_rep = xq.shape[2] // xk.shape[2]
     keys, values = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-    # SDPA wants (bs, heads, seqlen, head_dim).
-    out = F.scaled_dot_product_attention(
-        xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
-    )
+    # The kernels want (bs, heads, seqlen, head_dim).
+    out = attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
     return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE.
+    """Grouped-query self-attention with RoPE: causal, or causal within each document (models/attention.py).
 
-    `core` computes the attention itself (an AttentionCore): `causal_attention` unless parallelisms/ replaces it,
+    `core` computes the attention itself (an AttentionCore): `attention_core` unless parallelisms/ replaces it,
     e.g. with context parallelism's, which sees only this rank's part of each sequence and exchanges keys and
     values with the other ranks.
     """
@@ -130,7 +132,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        self.core: AttentionCore = causal_attention
+        self.core: AttentionCore = attention_core
 
     @staticmethod
     def param_inits(init_std: float) -> dict[str, ParamInit]:
@@ -142,15 +144,15 @@ class Attention(nn.Module):
             "wo.weight": _trunc(init_std),
         }
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+        """x: (bs, seqlen, dim) -> (bs, seqlen, dim); `mask` None is causal attention."""
         bs, seqlen, _ = x.shape
         # -1 for the head count: under tensor parallelism each rank holds only its local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        out = self.core(xq, xk, xv)
+        out = self.core(xq, xk, xv, mask)
         return self.wo(out.contiguous().view(bs, seqlen, -1))
 
 
@@ -192,9 +194,9 @@ class TransformerBlock(nn.Module):
         out |= {f"feed_forward.{k}": v for k, v in FeedForward.param_inits(self.weight_init_std).items()}
         return out | {"attention_norm.weight": ParamInit("ones"), "ffn_norm.weight": ParamInit("ones")}
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -209,6 +211,8 @@ class Transformer(nn.Module):
             raise ValueError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
         if args.n_kv_heads is not None and args.n_heads % args.n_kv_heads != 0:
             raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
+        if (args.attn_type, args.attn_mask_type) not in SUPPORTED:
+            raise ValueError(f"attention {args.attn_type} with mask {args.attn_mask_type}: not one of {SUPPORTED}")
         self.model_args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # ModuleDict keyed by layer id (not ModuleList) so FQNs survive pipeline stages dropping layers.
@@ -237,7 +241,8 @@ class Transformer(nn.Module):
             out["tok_embeddings.weight"] = ParamInit("trunc_normal", std, 3.0) if tied else ParamInit("normal")
         for name, layer in self.layers.items():
             if layer is not None:  # a block, or its AC/compile wrapper (which forwards attributes)
-                out |= {f"layers.{name}.{k}": v for k, v in cast(TransformerBlock, layer).param_inits().items()}
+                block = cast(TransformerBlock, layer)
+                out |= {f"layers.{name}.{k}": v for k, v in block.param_inits().items()}
         if self.norm is not None:
             out["norm.weight"] = ParamInit("ones")
         if self.output is not None:
@@ -264,15 +269,37 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             inits[unwrapped_fqn(name)].fill_(param, generator)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def attention_mask(self, tokens: torch.Tensor) -> AttentionMask:
+        """The attention mask of a batch of token ids (bs, seqlen): None for causal attention, else the documents'
+        mask (a document starts at each bos_id). Transformer.forward calls it; a pipeline stage fed hidden states
+        is given its result instead."""
+        args = self.model_args
+        if args.attn_mask_type == "causal":
+            return None
+        if args.bos_id is None:
+            raise ValueError("attn_mask_type block_causal needs ModelArgs.bos_id (the tokenizer's BOS id)")
+        if args.attn_type == "varlen":
+            return varlen_mask(tokens, args.bos_id)
+        return block_causal_mask(tokens, args.bos_id)
+
+    def forward(
+        self, tokens: torch.Tensor, attention_mask: AttentionMask = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
         whichever of tok_embeddings / norm / output a pipeline stage has removed.
 
+        `attention_mask`: the batch's mask (`attention_mask(tokens)`), built here when not given; a stage without
+        tok_embeddings, which receives hidden states, must be given it under a document mask.
         `positions` (seqlen,) int64: where in the sequence each token sits, when the tokens are not positions
         0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them."""
+        if attention_mask is None and self.model_args.attn_mask_type != "causal":
+            if self.tok_embeddings is None:
+                raise ValueError("a stage fed hidden states needs the batch's attention_mask (document masking)")
+            # Eager, once per forward, outside the (compiled) blocks: every block reuses it.
+            attention_mask = self.attention_mask(tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, freqs_cis)
+            h = layer(h, freqs_cis, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -34,8 +34,12 @@ F.scaled_dot_product_attention runs there); on CUDA the flash kernel (bf16/fp16)
 (fp32). torch's own `context_parallel()` covers only the CUDA kernels, so it cannot run where the tests run; kiln
 uses this one implementation on both. The CUDA kernel calls have not run on a GPU (no GPU in development).
 
-Nothing here touches document masks yet: a block-causal mask would add document ids to `SequenceLayout`'s chunks
-and a per-pair mask (a pair whose keys all lie in earlier documents is skipped like a future pair).
+Document masks (models/attention.py's block_causal flavors) are refused with CP (kiln_base/config/checks.py,
+check_parallel_plan). To split them: every CP rank holds the whole batch before sharding, so it can number the
+documents of the whole sequence (models.attention.document_ids); each pair (query chunk, key chunk) would then run
+with its block of the mask (positions and document ids of both chunks: the CPU kernel takes a boolean attn_mask
+and returns the log-sum-exp, and so does its backward), a pair whose keys all lie in other documents would be
+skipped like a future pair, and a row with no key in a block merges as log-sum-exp -inf.
 """
 
 from __future__ import annotations
@@ -201,8 +205,10 @@ class ContextParallel:
         normalizer = torch.tensor(labels.numel() / self.layout.cp, device=labels.device)
         return self.layout.shard(inputs, self.rank), self.layout.shard(labels, self.rank), positions, normalizer
 
-    def attention(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
-        """The AttentionCore: q, k, v (bs, local seq, heads, d) of this rank's tokens -> (bs, local seq, heads, d)."""
+    def attention(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """The AttentionCore: q, k, v (bs, local seq, heads, d) of this rank's tokens -> (bs, local seq, heads, d),
+        causal over the whole sequence. Document masks are refused with CP before the build (check_parallel_plan)."""
+        assert mask is None, "context parallelism runs causal attention only (kiln_base.config.check_parallel_plan)"
         out = _CPAttention.apply(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self)
         return out.transpose(1, 2)  # the output was built in xq's layout: this is contiguous, no copy follows
 

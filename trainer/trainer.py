@@ -23,8 +23,11 @@ from kiln_base.config import (
     check_memory_budget,
     grad_accum_steps,
     resolve_mixed_precision,
+    validation_shape,
 )
+from kiln_base.errors import CheckpointError
 from parallelisms.context_parallel import build_context_parallel
+from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
 from trainer.components.checkpoint import step_dir
@@ -35,6 +38,7 @@ from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume
+from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
 from trainer.tools.dry_run import memory_estimate
@@ -63,6 +67,19 @@ def log_precision(param: str, precision: str, device_type: str) -> None:
         logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
 
 
+def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_type: str) -> None:
+    """One start-up line on how the model attends (models/attention.py), and what runs it on this device."""
+    if mask_type == "causal":
+        logger.info("Attention: causal (scaled_dot_product_attention)")
+        return
+    kernel = {"flex": "flex_attention", "varlen": "varlen_attn"}[attn_type]
+    if attn_type == "flex" and device_type == "cpu":
+        kernel = "scaled_dot_product_attention with the block mask evaluated densely (no flex backward on a CPU)"
+    logger.info(
+        f"Attention: {mask_type}: causal within each document, a document starting at token {bos_id} (BOS); {kernel}"
+    )
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
@@ -84,10 +101,16 @@ class Trainer:
         self.float8 = build.float8_converter(cfg.float8, cfg.parallelism.tensor_parallel_degree)
         self.device, self.peers = build.process_group(cfg)
         self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
+        build.check_output_folders(cfg, self.device.type)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source)
+        # The RoPE table covers the longest sequence the run feeds: training's, or validation's when longer.
+        longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
+        args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
+        shards = self.parallel_dims.dp_shard * self.parallel_dims.cp * self.parallel_dims.tp  # FSDP: dp_shard x cp
+        local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        build.check_fits(cfg, args, shards, local_ranks, self.device)
         dp_degree = self.parallel_dims.dp_degree
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
         set_determinism(t.seed, t.deterministic)
@@ -98,14 +121,18 @@ class Trainer:
         rotate = cfg.parallelism.context_parallel_rotate_method
         estimate = memory_estimate(self.model, args, t, cfg.activation_checkpoint, self.parallel_dims, rotate)
         check_memory_budget(cfg, estimate)  # training.memory_budget_gib, before any weight is allocated
+        flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
         logger.info(
-            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
+            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
+            f"{args.vocab_size}, seq {t.seq_len}; {flops}"
         )
+        log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
         build.materialize(self.model, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
+        d = self.parallel_dims
+        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard * d.cp, d.tp, self.device.type))  # FSDP: dp_shard x cp
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if not self.parallel_dims.fully_shard_enabled and self.precision == "bfloat16"
@@ -114,6 +141,9 @@ class Trainer:
         self.cp = build_context_parallel(self.parallel_dims, cfg.parallelism)  # each rank's part of a sequence
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
+        self.validator = build.validator(
+            cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
+        )
 
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -139,10 +169,11 @@ class Trainer:
                 logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
         self.nan_guard = NonFiniteGuard(self.device)
 
-        self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
-        tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
+        log_ranks = os.environ.get("LOG_RANK", "0").split(",")
+        self.is_logging_rank = str(dist.get_rank()) in log_ranks
+        writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
         self.metrics = MetricsLogger(
-            cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
+            cfg.metrics, self.device, self.flops_per_token, writer, self.is_logging_rank, self.float8 is not None
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
@@ -167,8 +198,15 @@ class Trainer:
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Forward and fp32 cross-entropy of one micro-batch."""
         with self.amp:
-            logits = self.model(batch.inputs, batch.positions)
+            logits = self.model(batch.inputs, positions=batch.positions)
         return self.loss_fn(logits, batch.labels, batch.normalizer)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The forward and loss of one batch as training computes them, without backward (validation; the caller
+        holds torch.no_grad): the mean loss over this rank's tokens."""
+        with self.loss_context():
+            loss = self.forward_loss(self.local_batch(inputs, labels))
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
@@ -183,10 +221,12 @@ class Trainer:
         return loss.detach()
 
     def report_saved_activations(self) -> SavedActivationReport:
-        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
+        training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
+        saved_activations.py), the rest is measured eagerly, and the log says which is which."""
         inputs, labels = next(self.dataloader)
         batch = self.local_batch(inputs.to(self.device), labels.to(self.device))
-        with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
+        with self.loss_context():
             report = measure_saved_activations(self.model, lambda: self.forward_loss(batch))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
@@ -194,6 +234,16 @@ class Trainer:
         else:
             logger.info(f"saved_activations_total_bytes: {report.total_bytes}")
         return report
+
+    def write_seed_checkpoint(self) -> None:
+        """checkpoint.create_seed_checkpoint: save the initial weights as step-0 (nothing trained) and return."""
+        if self.checkpointer.loaded is not None:
+            raise CheckpointError(
+                f"checkpoint.create_seed_checkpoint: {self.checkpointer.folder} already holds "
+                f"{self.checkpointer.loaded}; a seed checkpoint starts a run: use an empty checkpoint.folder"
+            )
+        path = self.checkpointer.save_seed()
+        logger.info(f"Seed checkpoint written: {path} (step 0); runs with this checkpoint folder start from it")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate gradients over micro-batches, clip, step the optimizer and LR; return (loss, grad norm)."""
@@ -242,6 +292,7 @@ class Trainer:
             self.nan_guard,
             self._global_mean_loss,
             self.losses,
+            self.validator,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:
@@ -249,6 +300,9 @@ class Trainer:
         t = self.cfg.training
         if self.cfg.profiling.saved_activations_report:
             self.report_saved_activations()
+            return
+        if self.cfg.checkpoint.create_seed_checkpoint:
+            self.write_seed_checkpoint()
             return
         logger.info(
             f"Training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len}, "

@@ -1,12 +1,14 @@
-"""Every pair of (precision, layout, context parallelism, activation checkpointing, compile) values trained end to end.
+"""Every pair of (precision, layout, context parallelism, activation checkpointing, compile, attention) values trained
+end to end.
 
-The axes are what a user combines on the command line. Testing every combination (5 x 5 x 3 x 3 x 2 = 450 runs)
+The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 3 x 2 x 2 = 1080 runs)
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
 construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
 path users run: `kiln_base.config.parse_args` + `trainer.trainer.Trainer` on gloo ranks. It must train: losses
-finite, falling, and close to a one-process fp32 reference on the same global batches; with float8, the
-first-step float8 check must have passed and logged float8 matmuls in use.
+finite, falling, and close to its layout's float8-off eager run on the same global batches; with float8, the
+first-step float8 check must have passed and logged float8 matmuls in use; compiled, nothing may compile after
+step 1 (block_causal cells: the block mask is new every batch).
 
 The composition table in docs/parallelisms.md is generated from the same list (`composition_table()`);
 a test keeps the two equal. Regenerate it with `python -m tests.e2e.test_composition`.
@@ -46,6 +48,7 @@ PRECISIONS: dict[str, tuple[str, ...]] = {
     ),
     "rowwise": (*F8, "rowwise"),
     "rowwise_gw_hp": (*F8, "rowwise_with_gw_hp"),
+    "nvfp4": (*F8, "nvfp4", "--float8.emulate"),  # emulated NVFP4 (float8/nvfp4.py); 2 blocks: none kept high
 }
 P = "--parallelism."
 # name -> (world size, arguments)
@@ -70,7 +73,17 @@ ACS: dict[str, tuple[str, ...]] = {
     "op": (f"{AC}mode", "selective", f"{AC}selective_ac_option", "op"),
 }
 COMPILES: dict[str, tuple[str, ...]] = {"eager": (), "compile": ("--training.compile",)}
-AXES = {"precision": PRECISIONS, "layout": LAYOUTS, "cp": CPS, "ac": ACS, "compile": COMPILES}
+# Document masking (models/attention.py): the flex flavor of the debug model; on the CPU its block mask runs
+# through SDPA, evaluated densely inside each block (the BlockMask itself crosses TP, FSDP, AC and compile).
+ATTENTIONS: dict[str, tuple[str, ...]] = {"causal": (), "block_causal": ("--model.flavor", "debugmodel_flex_attn")}
+AXES = {
+    "precision": PRECISIONS,
+    "layout": LAYOUTS,
+    "cp": CPS,
+    "ac": ACS,
+    "compile": COMPILES,
+    "attention": ATTENTIONS,
+}
 
 GLOBAL_BATCH, STEPS = 4, 4
 # Every cell sees the same global batches (the sample order is global): local batch = 4 / data-parallel degree.
@@ -89,11 +102,12 @@ class Cell:
     cp: str
     ac: str
     compile: str
+    attention: str
 
     @property
     def id(self) -> str:
         cp = "" if self.cp == "off" else f"-{self.cp}"
-        return f"{self.precision}-{self.layout}{cp}-{self.ac}-{self.compile}"
+        return f"{self.precision}-{self.layout}{cp}-{self.ac}-{self.compile}-{self.attention}"
 
     @property
     def world_size(self) -> int:
@@ -111,20 +125,33 @@ class Cell:
             *CPS[self.cp][1],
             *ACS[self.ac],
             *COMPILES[self.compile],
+            *ATTENTIONS[self.attention],
         )
         return [*COMMON, *local_batch, *extra, "--job.dump_folder", dump_folder]
 
 
-# A cell whose value on every listed axis is among the listed ones does not run, for the reason given.
+CP_DOCUMENT_MASK = (
+    "refused (config error, exit 2): context parallelism splits causal attention only; a document mask is not "
+    "split over its ranks yet"
+)
+TP_COMPILE_LAYER_AC = (
+    "refused on CPU (config error, exit 2): TP + compile + whole-block AC fails in the first forward "
+    "(a torch bug); allowed on CUDA, untested"
+)
+# A cell whose value on every listed axis is among the listed ones does not run, for the reason given (the first
+# that matches).
 EXCLUDED: list[tuple[dict[str, tuple[str, ...]], str]] = [
     (
         {"precision": ("tensorwise_ag",), "layout": ("1rank", "tp2"), "cp": ("off",)},
         "invalid: float8 all-gather needs FSDP (the first-step float8 check exits 2); with CP its ranks shard",
     ),
     (
+        {"cp": ("cp2", "cp2_a2a"), "attention": ("block_causal",)},
+        CP_DOCUMENT_MASK,
+    ),
+    (
         {"layout": ("tp2", "fsdp2xtp2"), "ac": ("layer",), "compile": ("compile",)},
-        "refused on CPU (config error, exit 2): TP + compile + whole-block AC fails in the first forward "
-        "(a torch bug); allowed on CUDA, untested",
+        TP_COMPILE_LAYER_AC,
     ),
 ]
 
@@ -138,8 +165,8 @@ def excluded(cell: Cell) -> str | None:
 
 
 def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
-    values = list(zip(AXES, (cell.precision, cell.layout, cell.cp, cell.ac, cell.compile), strict=True))
-    return set(itertools.combinations(values, 2))
+    values = (cell.precision, cell.layout, cell.cp, cell.ac, cell.compile, cell.attention)
+    return set(itertools.combinations(list(zip(AXES, values, strict=True)), 2))
 
 
 def _cost(cell: Cell) -> int:
@@ -153,6 +180,11 @@ def all_cells() -> list[Cell]:
     return [Cell(*values) for values in itertools.product(*(list(axis) for axis in AXES.values()))]
 
 
+# What a unit of cost takes off a cell's count of new pairs. 0.12 (0.03 before the CP axis) keeps the 8-rank cells
+# (a 4-rank layout with CP 2) eager: one compiling on 8 processes costs as much as a dozen eager 4-rank cells.
+CHARGE = 0.12
+
+
 def covering_cells() -> list[Cell]:
     """Deterministic greedy pairwise covering array over the cells that run: each pick covers the most pairs not
     yet covered, less a small charge for its cost (compiling on 4 processes is what takes time on 2 cores)."""
@@ -161,7 +193,7 @@ def covering_cells() -> list[Cell]:
     cells: list[Cell] = []
     while uncovered:
         useful = [c for c in candidates if _pairs(c) & uncovered]
-        best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - 0.08 * _cost(c), -_cost(c)))
+        best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - CHARGE * _cost(c), -_cost(c)))
         cells.append(best)
         uncovered -= _pairs(best)
     return sorted(cells, key=lambda c: (c.world_size, c.compile, c.id))
@@ -170,14 +202,11 @@ def covering_cells() -> list[Cell]:
 CELLS = covering_cells()
 
 
-def reference(layout: str) -> Cell:
-    """The float8-off, no-AC, eager run of a layout: same initial weights and batches as the layout's cells.
-
-    Not one reference for all layouts: on a CPU mesh each rank draws its shard of the initial weights from its
-    own generator, so the initial weights differ by layout (step-1 losses 8.434 one process, 8.294 FSDP 2,
-    8.311 TP 2 on the same batch). Parity of layouts from equal weights is tests/parallelisms/test_parallelisms.py's.
-    """
-    return Cell("bf16", layout, "off", "none", "eager")
+def reference(attention: str) -> Cell:
+    """The one-process, float8-off, no-AC, eager run of an attention: every cell of every layout starts from the
+    same weights (one seed, one model: parallelisms/seeded_init.py) and sees the same global batches, so each is
+    compared with it."""
+    return Cell("bf16", "1rank", "off", "none", "eager", attention)
 
 
 # ----------------------------------------------------------------------------- running cells
@@ -191,7 +220,17 @@ def _cpu_seconds() -> float:
 
 
 def _run_cells(cells: list[Cell], folder: str) -> dict[str, dict[str, Any]]:
-    """On each rank of one spawned group: train every cell in turn; what each logged and its losses."""
+    """On each rank of one spawned group: train every cell in turn; what each logged, its losses, and dynamo's graph
+    count after each step."""
+    from kiln_base.internals import dynamo_graphs_compiled
+    from trainer.hooks import StepHook, StepOutput
+
+    class GraphCount(StepHook):
+        def __init__(self) -> None:
+            self.after: dict[int, int] = {}
+
+        def post_step(self, out: StepOutput) -> None:
+            self.after[out.step] = dynamo_graphs_compiled()
 
     logger = logging.getLogger("kiln")
     logger.setLevel(logging.INFO)
@@ -202,11 +241,18 @@ def _run_cells(cells: list[Cell], folder: str) -> dict[str, dict[str, Any]]:
         records.lines.clear()
         t0, cpu0 = time.perf_counter(), _cpu_seconds()
         try:
-            trainer = train_in_group(cell.argv(f"{folder}/{cell.id}"), f"{folder}/store_{i}")
+            graphs = GraphCount()
+            trainer = train_in_group(cell.argv(f"{folder}/{cell.id}"), f"{folder}/store_{i}", [graphs])
             float8 = [line for line in records.lines if line.startswith("float8")]
             steps = [line for line in records.lines if line.startswith("step:")]
             seconds = {"wall": time.perf_counter() - t0, "cpu": _cpu_seconds() - cpu0}
-            out[cell.id] = {"losses": trainer.losses, "float8": float8, "steps": steps, "seconds": seconds}
+            out[cell.id] = {
+                "losses": trainer.losses,
+                "float8": float8,
+                "steps": steps,
+                "seconds": seconds,
+                "graphs": graphs.after,
+            }
         except Exception:
             out[cell.id] = {"error": traceback.format_exc()}
             if dist.is_initialized():
@@ -224,7 +270,7 @@ def _selected_cells(session: pytest.Session) -> set[Cell]:
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Results by cell id; each world size's selected cells run in one spawned group, once, when first asked."""
     selected = _selected_cells(request.session)
-    selected |= {reference(c.layout) for c in selected}
+    selected |= {reference(c.attention) for c in selected}
     done: dict[int, dict[str, dict[str, Any]]] = {}
 
     def get(cell: Cell) -> dict[str, Any]:
@@ -247,20 +293,23 @@ def _check_trains(cell: Cell, result: dict[str, Any], ref: dict[str, Any]) -> No
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
     # From ~ln(vocab) = 7.7, lr 3e-3: some later step is well below the first (not always the last: batches differ).
     assert min(losses[1:]) < losses[0] - 0.3, losses
-    # Against the layout's float8-off eager run on the same weights and batches: AC recomputes the same fp32
-    # kernels (equal); compile reorders fp32 sums and float8 rounds, which AdamW's first steps amplify.
-    # CP runs the attention as blocks merged by log-sum-exp: fp32 rounding differs from one SDPA call (measured
-    # at most 1e-7 relative over 3 steps in tests/parallelisms/test_context_parallel.py).
+    # Against one process's float8-off eager run on the same weights and batches: AC recomputes the same fp32
+    # kernels (equal on one process; other layouts reduce in another order, and CP merges attention blocks by
+    # log-sum-exp: fp32 noise); compile reorders fp32 sums and float8 rounds, which AdamW's first steps amplify.
     exact = cell.precision == "bf16" and cell.compile == "eager"
-    tol = (1e-6 if cell.cp == "off" else 1e-5) if exact else 3e-3
+    tol = (1e-6 if cell.layout == "1rank" and cell.cp == "off" else 1e-5) if exact else 3e-3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=tol, atol=0)
+    if cell.compile == "compile":  # every graph compiles in step 1: a recompile per batch would cost more than a mask
+        graphs = result["graphs"]
+        assert graphs[1] > 0 and graphs[STEPS] == graphs[1], f"graphs compiled by the end of each step: {graphs}"
     f8 = result["float8"]
     if cell.precision == "bf16":
         assert f8 == [], f8  # no float8 conversion, so no check either
         return
-    assert any(re.match(r"float8 in use: [1-9]\d*/\d+ Linears are Float8Linear", line) for line in f8), f8
+    kind, what = ("NVFP4Linear", "emulated NVFP4") if cell.precision == "nvfp4" else ("Float8Linear", "float8")
+    assert any(re.match(rf"float8 in use: [1-9]\d*/\d+ Linears are {kind}", line) for line in f8), f8
     how = "traced into compiled graphs" if cell.compile == "compile" else "ran"
-    assert any(re.match(rf"float8 in use: float8 matmuls in the first step: .*[1-9]\d* {how}", x) for x in f8), f8
+    assert any(re.match(rf"float8 in use: {what} matmuls in the first step: .*[1-9]\d* {how}", x) for x in f8), f8
     if cell.precision == "tensorwise_ag":
         assert any("FSDP all-gathers" in line and "as 1-byte float8" in line for line in f8), f8
 
@@ -269,7 +318,7 @@ def _check_trains(cell: Cell, result: dict[str, Any], ref: dict[str, Any]) -> No
 @pytest.mark.distributed
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
 def test_cell(cell: Cell, results: Any) -> None:
-    _check_trains(cell, results(cell), results(reference(cell.layout)))
+    _check_trains(cell, results(cell), results(reference(cell.attention)))
 
 
 def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -279,14 +328,21 @@ def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     from kiln_base.errors import ConfigError
     from models import LLAMA3_FLAVORS
 
-    refused = [c for c in all_cells() if excluded(c) and "refused" in excluded(c)]
-    # tp2 (no float8 all-gather there without CP) and fsdp2xtp2, each with and without CP, with layer AC + compile
-    assert len(refused) == 4 + 5 + 5 + 3 * 5
+    refused = [c for c in all_cells() if excluded(c) == TP_COMPILE_LAYER_AC]
+    # tp2 and fsdp2xtp2 with layer AC + compile: without CP (no float8 all-gather on tp2) under both attentions,
+    # with either CP under causal attention (document masks are refused with CP first)
+    assert len(refused) == 2 * (5 + 6) + 2 * (6 + 6)
     for cell in refused:
         cfg = parse_args(cell.argv(str(tmp_path)))
         with pytest.raises(ConfigError, match="fails in"):
             check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel"].shape(), "cpu")
-    cell = Cell("tensorwise_ag", "1rank", "off", "none", "eager")
+    cp_masked = [c for c in all_cells() if excluded(c) == CP_DOCUMENT_MASK]
+    assert len(cp_masked) == 6 * 5 * 2 * 3 * 2
+    for cell in cp_masked[:: len(cp_masked) // 7]:
+        cfg = parse_args(cell.argv(str(tmp_path)))
+        with pytest.raises(ConfigError, match="context_parallel_degree 2 with model.flavor debugmodel_flex_attn"):
+            check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel_flex_attn"].shape(), "cpu")
+    cell = Cell("tensorwise_ag", "1rank", "off", "none", "eager", "causal")
     assert excluded(cell).startswith("invalid")
     assert train.main([*cell.argv(str(tmp_path)), "--training.steps", "1"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
@@ -301,22 +357,24 @@ def test_cells_cover_every_pair_of_axis_values() -> None:
     wanted = set().union(*(_pairs(c) for c in runnable))
     assert set().union(*(_pairs(c) for c in CELLS)) == wanted
     assert all(excluded(c) is None for c in CELLS) and len(set(CELLS)) == len(CELLS)
-    # Every pair of values runs somewhere: float8 all-gather without FSDP (1rank, tp2) is invalid, but with CP those
-    # layouts shard over the CP ranks.
+    # The only pairs no runnable cell has are the ones excluded by construction: CP with a document mask (float8
+    # all-gather on 1 rank or TP 2 is invalid without CP, but CP's ranks shard).
     every = set().union(*(_pairs(c) for c in all_cells()))
-    assert every == wanted
+    missing = {tuple(v for _, v in pair) for pair in every - wanted}
+    assert missing == {("cp2", "block_causal"), ("cp2_a2a", "block_causal")}
     assert covering_cells() == CELLS  # deterministic
 
 
 def composition_table() -> str:
     """The markdown table in docs/parallelisms.md: every cell run here, then the combinations excluded."""
     rows = [
-        "| precision | layout | CP | AC | compile | status (CPU, gloo) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| precision | layout | CP | AC | compile | attention | status (CPU, gloo) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in CELLS:
         test_id = f"`test_composition.py::test_cell[{c.id}]`"
-        rows.append(f"| {c.precision} | {c.layout} | {c.cp} | {c.ac} | {c.compile} | tested: {test_id} |")
+        cols = (c.precision, c.layout, c.cp, c.ac, c.compile, c.attention)
+        rows.append(f"| {' | '.join(cols)} | tested: {test_id} |")
     for match, reason in EXCLUDED:
         axes = [", ".join(match.get(axis, ("any",))) for axis in AXES]
         rows.append(f"| {' | '.join(axes)} | {reason} |")

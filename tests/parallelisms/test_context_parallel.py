@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import train
 from kiln_base.config import check_world, parse_args
 from kiln_base.errors import ConfigError
-from models.llama3 import causal_attention
+from models.llama3 import attention_core
 from parallelisms.context_parallel import ContextParallel, SequenceLayout, attention_backward, attention_forward
 from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port, open_trainer
 from tests.helpers.distributed import reopen_group, run_distributed
@@ -241,7 +241,7 @@ def test_chunked_attention_equals_sdpa_in_one_process(rotate_method: str) -> Non
     ours = cp.attention(q, k, v)
     assert ours.is_contiguous()  # built in q's layout: wo's input needs no copy
     ours_grads = torch.autograd.grad(ours, (q, k, v), dout)
-    ref = causal_attention(q, k, v)
+    ref = attention_core(q, k, v, None)
     for a, b in zip((ours, *ours_grads), (ref, *torch.autograd.grad(ref, (q, k, v), dout)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
