@@ -39,8 +39,7 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
     trainer.loss_fn = build_loss_fn(compiled)
     try:
         inputs, labels = (t.to(trainer.device) for t in next(trainer.dataloader))
-        batch = trainer.local_batch(inputs, labels)
-        trainer.forward_backward(batch)  # warm-up: compiles the loss, allocates the gradients
+        trainer.forward_backward(inputs, labels)  # warm-up: compiles the loss, allocates the gradients
         cuda = trainer.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -50,13 +49,13 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             before = _proc_kib("VmRSS") * 1024
-        loss = trainer.forward_backward(batch)
+        loss = trainer.forward_backward(inputs, labels)
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
             peak = _proc_kib("VmHWM") * 1024
-        logits_numel = batch.inputs.numel() * trainer.model.output.out_features
+        logits_numel = inputs.numel() * trainer.model.output.out_features
         return {
             "loss": "compiled" if compiled else "eager",
             "peak_mib": (peak - before) / 2**20,

@@ -195,8 +195,9 @@ class Trainer:
             return Batch(inputs, labels)
         return Batch(*self.cp.shard_batch(inputs, labels))
 
-    def forward_loss(self, batch: Batch) -> torch.Tensor:
-        """Forward and fp32 cross-entropy of one micro-batch."""
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and fp32 cross-entropy of one micro-batch (under context parallelism, of this rank's part)."""
+        batch = self.local_batch(inputs, labels)
         with self.amp:
             logits = self.model(batch.inputs, positions=batch.positions)
         return self.loss_fn(logits, batch.labels, batch.normalizer)
@@ -205,17 +206,17 @@ class Trainer:
         """The forward and loss of one batch as training computes them, without backward (validation; the caller
         holds torch.no_grad): the mean loss over this rank's tokens."""
         with self.loss_context():
-            loss = self.forward_loss(self.local_batch(inputs, labels))
+            loss = self.forward_loss(inputs, labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def forward_backward(self, batch: Batch) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
         with self.loss_context():
-            loss = self.forward_loss(batch)
+            loss = self.forward_loss(inputs, labels)
             (loss / self.grad_accum_steps).backward()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
         return loss.detach()
@@ -225,9 +226,9 @@ class Trainer:
         training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
         saved_activations.py), the rest is measured eagerly, and the log says which is which."""
         inputs, labels = next(self.dataloader)
-        batch = self.local_batch(inputs.to(self.device), labels.to(self.device))
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
         with self.loss_context():
-            report = measure_saved_activations(self.model, lambda: self.forward_loss(batch))
+            report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
             logger.info(f"Tensors kept for backward by producing op (rank {dist.get_rank()}):\n{report.format()}")
@@ -254,9 +255,9 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, labels = next(self.dataloader)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            batch = self.local_batch(inputs, labels)
-            tokens, data_time = tokens + batch.inputs.numel(), data_time + time.perf_counter() - t0
-            loss_sum += self.forward_backward(batch)
+            # Tokens this rank computes: a context-parallel rank, its 1/cp of each sequence.
+            tokens, data_time = tokens + inputs.numel() // self.parallel_dims.cp, data_time + time.perf_counter() - t0
+            loss_sum += self.forward_backward(inputs, labels)
         self.metrics.count_step(tokens, data_time)  # once per step, not per micro-batch: the ETA counts steps
         max_norm = self.cfg.training.max_norm
         # foreach: batched kernels on CUDA. A CPU has none (torch loops over the tensors either way), and there the

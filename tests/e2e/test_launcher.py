@@ -154,7 +154,7 @@ MISTAKES = [
         "needs CUDA",
         True,
     ),
-    ("varlen_cpu", ["--model.flavor", "debugmodel_varlen_attn"], "use model.flavor debugmodel_flex_attn", False),
+    ("varlen_cpu", ["--model.flavor", "debugmodel_varlen_attn"], "use model.flavor debugmodel_flex_attn", True),
     (
         "validation_dataset_name",
         ["--validation.enable", "--validation.dataset", "nosuch"],

@@ -14,7 +14,7 @@ import train
 from scripts.compare_runs import main as compare_main
 from tests.helpers.common import tiny_run_args
 from trainer.tools.guards import NonFiniteError, last_checkpoint
-from trainer.trainer import Batch, Trainer
+from trainer.trainer import Trainer
 
 
 def test_profiler_traces_every_freq_steps_and_cpu_snapshot_warns(
@@ -51,8 +51,8 @@ def _argv(dump: Path, *extra: str) -> list[str]:
 def _poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
     forward_loss = Trainer.forward_loss
 
-    def poisoned(self: Trainer, batch: Batch) -> torch.Tensor:
-        loss = forward_loss(self, batch)
+    def poisoned(self: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = forward_loss(self, inputs, labels)
         return loss * float("nan") if self.step == bad_step else loss
 
     monkeypatch.setattr(Trainer, "forward_loss", poisoned)
