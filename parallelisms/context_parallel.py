@@ -32,7 +32,8 @@ keys/values are fetched again, never kept.
 Kernels: on CPU `aten._scaled_dot_product_flash_attention_for_cpu` and its backward (what
 F.scaled_dot_product_attention runs there); on CUDA the flash kernel (bf16/fp16) or the memory-efficient one
 (fp32). torch's own `context_parallel()` covers only the CUDA kernels, so it cannot run where the tests run; kiln
-uses this one implementation on both. The CUDA kernel calls have not run on a GPU (no GPU in development).
+uses this one implementation on both. The CUDA kernel calls ran on one H200 in one process (2026-11-26: a rank holding
+both head-tail chunks, against float64 attention); CP over several GPUs has not run.
 
 Document masks (models/attention.py's block_causal flavors) are refused with CP (kiln_base/config/checks.py,
 check_parallel_plan). To split them: every CP rank holds the whole batch before sharding, so it can number the
@@ -126,17 +127,18 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block given the *merged* output and log-sum-exp of its query rows: the block's exact share
     of the gradients (the kernels recompute the probabilities as exp(scores - lse)). Without dropout the CUDA
-    kernels' random-state arguments are unused: empty tensors stand in for them."""
-    if kernel == "cuda_flash":
+    kernels' random-state arguments are unused: empty tensors stand in for them. Checked on an H200 (torch's CUDA
+    build): tests/parallelisms/test_context_parallel.py::test_chunked_attention_on_cuda_equals_attention_in_float64."""
+    if kernel == "cuda_flash":  # no cumulative sequence lengths (not varlen): None, not empty tensors
         none = torch.empty(0, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, none, none, q.shape[2], k.shape[2], 0.0, causal, none, none
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, none, none
         )
     if kernel == "cuda_efficient":
         none = torch.empty(0, device=q.device)
         lse = torch.nn.functional.pad(lse, (0, _padded32(lse.shape[-1]) - lse.shape[-1]))
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, none, out, lse, none, none, 0.0, [True, True, True, False], causal
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(  # no bias: None, not an empty tensor
+            dout, q, k, v, None, out, lse, none, none, 0.0, [True, True, True, False], causal
         )
         return dq, dk, dv
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)

@@ -115,6 +115,13 @@ MISTAKES = [
         True,
     ),
     (
+        "cp_block_causal",
+        [*("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")]
+        + ["--model.flavor", "debugmodel_flex_attn"],
+        "parallelism.context_parallel_degree 2 with model.flavor debugmodel_flex_attn (document-masked attention",
+        True,
+    ),
+    (
         "cp_ptrr",
         ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_load_balancer", "ptrr"],
         'context_parallel_load_balancer = "ptrr": the per-token round-robin balancer serves',
@@ -177,6 +184,10 @@ SINGLE_RANK = {
         "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
     ),
     "cp_degree": (["--parallelism.context_parallel_degree", "4"], "= 4 does not divide the world size 1"),
+    "cp_block_causal": (
+        ["--parallelism.context_parallel_degree", "2", "--model.flavor", "debugmodel_flex_attn"],
+        "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
+    ),
 }
 
 

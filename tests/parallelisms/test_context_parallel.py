@@ -4,8 +4,10 @@ without head-tail load balancing; the sequence layout, the attention kernels' ca
 The parity runs go through the Trainer (parse_args + Trainer on gloo ranks), fp32 and deterministic, from the same
 seed (the layout-independent init gives every layout the same weights) and the same global batches: the losses of
 every step within 1e-5 relative of one process's, and the gradients of step 1 (full tensors, as the optimizer gets
-them) close to one process's. One spawned group per world size trains all four settings in turn, then the
-long-context run (a sequence over one rank's memory budget) and, on 2 ranks, the saved-activation report.
+them) close to one process's. Each run also checks one seed, one model (CP's initial weights, gathered whole, equal
+one process's bitwise) and validation under CP (the validation loss of step 1 within 1e-5 of one process's). One
+spawned group per world size trains all four settings in turn, then the long-context run (a sequence over one rank's
+memory budget) and, on 2 ranks, the saved-activation report.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ COMMON = (
     # No clipping: the gradients compared are the ones CP computes (torch's clip_grad_norm_ itself scales plain and
     # sharded gradients differently by up to 1e-4 relative: measured 1.0000112 vs 0.99993 after clipping to 1.0).
     *("--training.max_norm", "0"),
+    # Validation under CP (at step 1): the held-out batches are split like training's, the loss averaged over dp x cp.
+    *("--validation.enable", "--validation.steps", "2"),
 )
 SETTINGS: dict[str, tuple[str, ...]] = {
     f"{method}-{balancer}": (
@@ -72,14 +76,21 @@ def _step1_grads(trainer: Any) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
 def _train(argv: list[str]) -> dict[str, Any]:
-    """Train with `argv` in this process's group (world 1 without one); losses, step-1 gradients, tokens per rank."""
+    """Train with `argv` in this process's group (world 1 without one); initial weights (whole), losses, step-1
+    gradients, validation losses, tokens per rank."""
     seen: list[tuple[int, ...]] = []
     with open_trainer(argv) as trainer:
+        init = {n: _whole(p) for n, p in trainer.model.named_parameters()}  # a collective per sharded parameter
         grads = _step1_grads(trainer)
         trainer.model.tok_embeddings.register_forward_pre_hook(lambda _m, args: seen.append(tuple(args[0].shape)))
         trainer.train()
-    return {"losses": trainer.losses, "grads": grads, "input_shapes": sorted(set(seen))}
+    val = dict(trainer.validator.losses) if trainer.validator is not None else {}
+    return {"init": init, "losses": trainer.losses, "grads": grads, "val": val, "input_shapes": sorted(set(seen))}
 
 
 # Long context: seq 4096 is over training.memory_budget_gib for one rank (the dry run's estimate: 0.18 GiB) and
@@ -148,14 +159,31 @@ def test_cp_matches_one_process(world: int, reference: dict[str, Any], cp_runs: 
     results = cp_runs(world)["parity"]
     assert results.keys() == SETTINGS.keys()
     ref_losses = torch.tensor(reference["losses"])
+    assert list(reference["val"]) == [1]
     for name, result in results.items():
         assert result["input_shapes"] == [(2, SEQ // world)], (name, result["input_shapes"])  # only its part
+        # One seed, one model: CP's ranks (FSDP shards over dp_shard x cp) start from one process's weights.
+        assert result["init"].keys() == reference["init"].keys()
+        for param, w in result["init"].items():
+            assert torch.equal(w, reference["init"][param]), f"{name}: initial {param} differs from one process's"
         torch.testing.assert_close(torch.tensor(result["losses"]), ref_losses, rtol=LOSS_RTOL, atol=0, msg=name)
         assert result["grads"].keys() == reference["grads"].keys()
+        worst_grad = 0.0
         for param, g in result["grads"].items():
             ref = reference["grads"][param]
             worst = ((g - ref).abs().max() / ref.abs().max()).item()
             assert worst < GRAD_TOL, f"{name}: {param} differs by {worst:.2e} of its largest gradient"
+            worst_grad = max(worst_grad, worst)
+        assert list(result["val"]) == [1], (name, result["val"])
+        val_rel = abs(result["val"][1] - reference["val"][1]) / reference["val"][1]
+        assert val_rel < LOSS_RTOL, (name, result["val"], reference["val"])
+        loss_rel = ((torch.tensor(result["losses"]) - ref_losses).abs() / ref_losses.abs()).max().item()
+        # The measurements docs/parallelisms.md quotes (pytest -s prints them).
+        print(
+            f"\nCP {world} {name}: losses {result['losses']} (max relative {loss_rel:.1e}), step-1 gradients "
+            f"{worst_grad:.1e}, validation {result['val'][1]:.6f} vs {reference['val'][1]:.6f} ({val_rel:.1e}), "
+            "initial weights equal"
+        )
 
 
 @pytest.mark.slow
@@ -224,7 +252,8 @@ def test_sequence_layout_head_tail_and_contiguous() -> None:
 
 def _one_rank_group() -> str:
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # the collectives of either device
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dist.group.WORLD.group_name
 
 
@@ -246,6 +275,29 @@ def test_chunked_attention_equals_sdpa_in_one_process(rotate_method: str) -> Non
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rotate_method", ["allgather", "alltoall"])
+def test_chunked_attention_on_cuda_equals_attention_in_float64(rotate_method: str, dtype: torch.dtype) -> None:
+    """The CUDA kernels (flash for bf16, memory-efficient for fp32) through the same pairs, merging and per-pair
+    backward as on the CPU: output and q/k/v gradients against attention over the whole sequence in float64 (CPU)."""
+    cp = ContextParallel(SequenceLayout(1, load_balance=True), 0, _one_rank_group(), rotate_method)
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(2, 256, h, 64, generator=g) for h in (8, 2, 2)]
+    dout = torch.randn(2, 256, 8, 64, generator=g)
+    q, k, v = (t.to("cuda", dtype).requires_grad_() for t in qkv)
+    ours = cp.attention(q, k, v)
+    ours_grads = torch.autograd.grad(ours, (q, k, v), dout.to("cuda", dtype))
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref = attention_core(q64, k64, v64, None)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.to(dtype).double())
+    tol = {torch.bfloat16: 3e-2, torch.float32: 1e-4}[dtype]
+    for a, b in zip((ours, *ours_grads), (ref, *ref_grads), strict=True):
+        worst = ((a.detach().cpu().double() - b).abs().max() / b.abs().max()).item()
+        print(f"\ncuda {rotate_method} {dtype}: max |difference| / max |reference| = {worst:.2e}")
+        assert worst < tol, worst
+
+
 @pytest.mark.parametrize("kernel,dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
 def test_cuda_kernel_calls_match_their_schemas(kernel: str, dtype: torch.dtype) -> None:
     """No GPU here: the CUDA kernels' calls run on meta tensors (torch's shape functions check every argument)."""
@@ -254,3 +306,33 @@ def test_cuda_kernel_calls_match_their_schemas(kernel: str, dtype: torch.dtype) 
     assert out.shape == q.shape and lse.shape == (2, 4, 48) and lse.dtype == torch.float32
     grads = attention_backward(out, q, k, k, out, lse, True, kernel)
     assert [t.shape for t in grads] == [q.shape] * 3
+
+
+# ----------------------------------------------------------------------------- composition with main's features
+
+
+def test_cp_with_a_document_mask_or_an_unsplittable_validation_length_is_refused_in_one_line() -> None:
+    """Document masks (block_causal, the _flex/_varlen flavors) are refused with CP before any rank starts; a
+    validation.seq_len that does not split into the CP chunks is refused by name, like training.seq_len."""
+    from kiln_base.config import check_parallel_plan
+    from models import LLAMA3_FLAVORS
+
+    cp2 = [*COMMON, f"{P}context_parallel_degree", "2", f"{P}data_parallel_shard_degree", "1"]
+    flex = parse_args([*cp2, "--model.flavor", "debugmodel_flex_attn"])
+    with pytest.raises(ConfigError) as e:
+        check_parallel_plan(flex, LLAMA3_FLAVORS["debugmodel_flex_attn"].shape(), "cpu")
+    assert len(str(e.value).splitlines()) == 1
+    assert str(e.value).startswith("parallelism.context_parallel_degree 2 with model.flavor debugmodel_flex_attn")
+    check_parallel_plan(parse_args(cp2), LLAMA3_FLAVORS["debugmodel"].shape(), "cpu")  # causal: composes
+    with pytest.raises(ConfigError, match=r"^validation.seq_len \(30\) must split into 2 x context_parallel_degree"):
+        check_world(parse_args([*cp2, "--validation.seq_len", "30"]), 2)
+    check_world(parse_args([*cp2, "--validation.seq_len", "32"]), 2)
+
+
+def test_cp_with_emulated_nvfp4_passes_the_launchers_checks() -> None:
+    """NVFP4 (emulated) composes with CP: the launcher's checks for 2 ranks pass it (the composition suite trains
+    the nvfp4 x cp2 cells), and a block-causal flavor with CP is the launcher's one line."""
+    argv = [*COMMON, f"{P}context_parallel_degree", "2", f"{P}data_parallel_shard_degree", "1"]
+    nvfp4 = ["--float8.enable_float8_linear", "--float8.recipe_name", "nvfp4", "--float8.emulate"]
+    assert train.check_config([*argv, *nvfp4], world_size=2) is not None
+    assert train.check_config([*argv, *nvfp4, "--model.flavor", "debugmodel_flex_attn"], world_size=2) is None
