@@ -30,6 +30,7 @@ def test_31_8b_at_131k_tokens_with_cp8_fits_an_80gb_gpu() -> None:
     assert "simulated world: 8 = dp_replicate 1 x dp_shard 1 x cp 8 x tp 1" in plan
     assert "each rank holds 16384 of every sequence's 131072 tokens: 16 chunks of 8192, rank i holds chunks i" in plan
     assert "FSDP shards over dp_shard x cp = 8 ranks" in plan
+    assert "FSDP reduce-scatter over 8 ranks" in plan  # the gradients are reduced over the CP ranks too
     mem = _memory(plan)
     # 8.03 B parameters, fp32 weights + gradients + AdamW's two moments = 16 bytes each, over the 8 FSDP ranks.
     assert mem["params (fp32)"] == pytest.approx(8_030_261_248 * 4 / 8 / 2**30, abs=0.01)

@@ -201,7 +201,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
             f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
             f"{t.mixed_precision_param}); master weights float32",
-            reduction_line(t, dims.dp_replicate, dims.dp_shard, dims.tp, "cuda"),
+            reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, "cuda"),
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
