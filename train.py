@@ -80,9 +80,9 @@ def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ran
     check_parallel_plan(cfg, args.shape(), "cuda" if gpus else "cpu")
     if not gpus:
         p = cfg.parallelism
-        tp = p.tensor_parallel_degree
-        dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size)
-        build.check_fits(cfg, args, dp_shard * tp, local_ranks, torch.device("cpu"))
+        tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+        dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp)
+        build.check_fits(cfg, args, dp_shard * cp * tp, local_ranks, torch.device("cpu"))  # FSDP: dp_shard x cp
 
 
 def exit_now(status: int) -> NoReturn:

@@ -185,8 +185,8 @@ class Float8UsageProbe:
     def _all_gather_finding(self) -> str:
         if not self.fsdp_enabled:
             raise ConfigError(
-                "float8.enable_fsdp_float8_all_gather is set but FSDP is not enabled (data-parallel shard "
-                "degree 1): nothing is all-gathered; drop the flag or shard over more ranks"
+                "float8.enable_fsdp_float8_all_gather is set but FSDP is not enabled (data_parallel_shard_degree "
+                "x context_parallel_degree = 1): nothing is all-gathered; drop the flag or shard over more ranks"
             )
         sizes = _float8_all_gather_itemsizes(self.model)
         wide = sorted(n for n, s in sizes.items() if s != 1)

@@ -8,6 +8,7 @@ Blocks take (x, freqs_cis, attention_mask): the mask is None for causal attentio
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -75,8 +76,8 @@ def precompute_freqs_cis(
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k, each (bs, seqlen, heads, head_dim), by the first seqlen rows of freqs_cis."""
-    # Slicing here (not in Transformer.forward) keeps the full buffer visible to context parallelism.
+    """Rotate q and k, each (bs, seqlen, heads, head_dim), by the first seqlen rows of freqs_cis (the rows of the
+    tokens' positions: Transformer.forward selects them when the tokens are not positions 0..seqlen-1)."""
     seqlen = xq.shape[1]
     freqs_cis = freqs_cis[:seqlen].view(1, seqlen, 1, -1)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
@@ -99,8 +100,27 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
+# The attention proper, after the projections and RoPE: (q (bs, seqlen, n_heads, head_dim), k and v (bs, seqlen,
+# n_kv_heads, head_dim), the batch's mask (None: causal)) -> (bs, seqlen, n_heads, head_dim).
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
+
+
+def attention_core(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Attention over a whole sequence held here (an AttentionCore): each kv head serves n_rep query heads."""
+    n_rep = xq.shape[2] // xk.shape[2]
+    keys, values = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+    # The kernels want (bs, heads, seqlen, head_dim).
+    out = attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE: causal, or causal within each document (models/attention.py)."""
+    """Grouped-query self-attention with RoPE: causal, or causal within each document (models/attention.py).
+
+    `core` computes the attention itself (an AttentionCore): `attention_core` unless parallelisms/ replaces it,
+    e.g. with context parallelism's, which sees only this rank's part of each sequence and exchanges keys and
+    values with the other ranks.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -112,6 +132,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.core: AttentionCore = attention_core
 
     @staticmethod
     def param_inits(init_std: float) -> dict[str, ParamInit]:
@@ -131,11 +152,8 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        keys = repeat_kv(xk, self.n_rep)
-        values = repeat_kv(xv, self.n_rep)
-        # The kernels want (bs, heads, seqlen, head_dim).
-        out = attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+        out = self.core(xq, xk, xv, mask)
+        return self.wo(out.contiguous().view(bs, seqlen, -1))
 
 
 class FeedForward(nn.Module):
@@ -264,19 +282,24 @@ class Transformer(nn.Module):
             return varlen_mask(tokens, args.bos_id)
         return block_causal_mask(tokens, args.bos_id)
 
-    def forward(self, tokens: torch.Tensor, attention_mask: AttentionMask = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, attention_mask: AttentionMask = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
         whichever of tok_embeddings / norm / output a pipeline stage has removed.
 
         `attention_mask`: the batch's mask (`attention_mask(tokens)`), built here when not given; a stage without
-        tok_embeddings, which receives hidden states, must be given it under a document mask."""
+        tok_embeddings, which receives hidden states, must be given it under a document mask.
+        `positions` (seqlen,) int64: where in the sequence each token sits, when the tokens are not positions
+        0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them."""
         if attention_mask is None and self.model_args.attn_mask_type != "causal":
             if self.tok_embeddings is None:
                 raise ValueError("a stage fed hidden states needs the batch's attention_mask (document masking)")
             # Eager, once per forward, outside the (compiled) blocks: every block reuses it.
             attention_mask = self.attention_mask(tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attention_mask)
+            h = layer(h, freqs_cis, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

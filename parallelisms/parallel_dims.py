@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -16,11 +17,12 @@ class ParallelDims:
     dp_shard: int  # -1 = the rest of the world size
     tp: int
     world_size: int
+    cp: int = 1  # context parallel: ranks that split every sequence
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)  # flattened dimensions
 
     def __post_init__(self) -> None:
-        self.dp_shard = resolve_dp_shard(self.dp_replicate, self.dp_shard, self.tp, self.world_size)
+        self.dp_shard = resolve_dp_shard(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.cp)
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -32,11 +34,21 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard_enabled
+        """Parameters are sharded: over dp_shard and the context-parallel ranks, which join FSDP's shard group."""
+        return self.dp_shard * self.cp > 1
 
     @property
     def dp_enabled(self) -> bool:
         return self.dp_replicate > 1 or self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def fully_shard_enabled(self) -> bool:
+        """Whether FSDP2's fully_shard wraps the model: data parallel (any flavour) or context parallel."""
+        return self.dp_enabled or self.cp_enabled
 
     @property
     def tp_enabled(self) -> bool:
@@ -44,17 +56,22 @@ class ParallelDims:
 
     @property
     def dp_degree(self) -> int:
-        """Number of distinct data streams (ranks in one TP group see the same batch)."""
+        """Number of distinct data streams (ranks in one TP or CP group see the same batch)."""
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A 3-D mesh (dp_replicate, dp_shard, tp) with a flattened `dp` dimension for data loading."""
+        """The mesh (dp_replicate, dp_shard, cp, tp), the last innermost (torchtitan's order), with flattened
+        dimensions: `dp` (dp_replicate x dp_shard) for data loading and, with context parallelism, `dp_shard_cp`
+        for FSDP's shard group and `dp_cp` for averaging the loss over every rank that holds different tokens."""
         mesh = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
         )
-        self._dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        self._flat["dp"] = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        if self.cp_enabled:  # without CP they would equal dp_shard and dp: no extra process groups then
+            self._flat["dp_shard_cp"] = flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
+            self._flat["dp_cp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         self._mesh = mesh
         return mesh
 
@@ -65,6 +82,30 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """All data-parallel ranks (replicate x shard) flattened into one dimension."""
-        assert self._dp_mesh is not None, "build_mesh() first"
-        return self._dp_mesh
+        """All data-parallel ranks (replicate x shard) flattened into one dimension: the data loader's."""
+        assert self._flat, "build_mesh() first"
+        return self._flat["dp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What fully_shard shards over: dp_shard x cp flattened, as (dp_replicate, dp_shard_cp) for HSDP."""
+        if not self.cp_enabled:
+            return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else self.mesh["dp_shard"]
+        if not self.dp_replicate_enabled:
+            return self._flat["dp_shard_cp"]
+        with warnings.catch_warnings():
+            # torch 2.13 warns that slicing a flattened dimension out of the root mesh "will be deprecated"; it is
+            # torchtitan's HSDP x CP mesh too, and there is no other public way to pair dp_replicate with it.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.mesh["dp_replicate", "dp_shard_cp"]
+
+    @property
+    def loss_mesh(self) -> DeviceMesh:
+        """Every rank holding different tokens of the global batch (dp_replicate x dp_shard x cp): the logged loss
+        is their mean."""
+        assert self._flat, "build_mesh() first"
+        return self._flat["dp_cp" if self.cp_enabled else "dp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.mesh["cp"]

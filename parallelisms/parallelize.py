@@ -1,6 +1,8 @@
 """parallelize_llama: the one place a meta-device model gets its parallel plan.
 
 Order matters and follows torchtitan: (float8 conversion happens before this) -> TP -> AC -> compile -> FSDP.
+Context parallelism only swaps each block's attention core (torchtitan does it at run time, kiln at build time);
+it comes first so that the compiled blocks trace the context-parallel attention.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from kiln_base.internals import (
     fsdp_reduce_tp_partial_grads_in_reduce_dtype,
 )
 from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.context_parallel import ContextParallel, build_context_parallel
 from parallelisms.grad_reduce import REDUCE_DTYPE, Bf16WireReduceScatter
 from parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from models import Transformer
+    from models.llama3 import Attention
 
 logger = logging.getLogger("kiln")
 
@@ -135,14 +139,17 @@ def wait_async_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tu
 def apply_fsdp(
     model: Transformer, parallel_dims: ParallelDims, training: Training, parallelism: Parallelism, float8: Float8
 ) -> None:
-    """fully_shard each block, then the root; HSDP (replicate x shard) when dp_replicate > 1.
+    """fully_shard each block, then the root, over dp_shard x cp; HSDP (replicate x that) when dp_replicate > 1.
+
+    Context-parallel ranks hold the same weights and different tokens of the same sequences, so they average
+    gradients like data-parallel ranks: each CP rank's loss is its tokens' share of the sequence mean times cp
+    (Trainer.forward_backward), and FSDP's mean over dp_shard x cp is then the gradient of the mean over all tokens.
 
     With float8 all-gather the float8 conversion has already made each weight a torchao tensor subclass whose
     FSDP hooks cast the local shard to float8 before the all-gather; nothing else is needed here, except on gloo.
     Every gradient reduction runs in training.mixed_precision_reduce's precision (parallelisms/grad_reduce.py).
     """
-    mesh = parallel_dims.mesh
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard"]
+    dp_mesh = parallel_dims.fsdp_mesh  # context-parallel ranks shard parameters too (torchtitan: dp_shard_cp)
     mp = MixedPrecisionPolicy(
         # The config's choices are torch dtype names (auto: bfloat16 on CUDA, float32 on CPU).
         param_dtype=getattr(torch, resolve_mixed_precision(training.mixed_precision_param, dp_mesh.device_type)),
@@ -158,7 +165,7 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if training.mixed_precision_reduce == BF16_WIRE and parallel_dims.dp_shard_enabled:
+    if training.mixed_precision_reduce == BF16_WIRE and parallel_dims.fsdp_enabled:  # a reduce-scatter: dp_shard x cp
         for module in fsdp_modules:
             module.set_custom_reduce_scatter(Bf16WireReduceScatter())
     if float8.enable_fsdp_float8_all_gather and dp_mesh.device_type == "cpu":
@@ -169,6 +176,12 @@ def apply_fsdp(
             module.set_custom_all_gather(Float8AsUint8AllGather())
 
 
+def apply_cp(model: Transformer, cp: ContextParallel) -> None:
+    """Every block's attention becomes context-parallel: this rank's queries over the whole sequence's keys/values."""
+    for block in model.layers.values():
+        cast("Attention", block.get_submodule("attention")).core = cp.attention
+
+
 def parallelize_llama(
     model: Transformer,
     parallel_dims: ParallelDims,
@@ -177,11 +190,14 @@ def parallelize_llama(
     ac: ActivationCheckpoint,
     float8: Float8,
 ) -> dict[str, ParallelStyle]:
-    """Apply TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled).
+    """Apply CP, TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled).
 
     Returns the TP plan applied (module FQN -> style; empty without TP), for the dry run to print.
     """
     tp_plan: dict[str, ParallelStyle] = {}
+    cp = build_context_parallel(parallel_dims, parallelism)
+    if cp is not None:
+        apply_cp(model, cp)
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh["tp"]
         tp_plan = apply_tp(model, tp_mesh, not parallelism.disable_loss_parallel, float8_tensorwise_tp(float8))
@@ -190,7 +206,7 @@ def parallelize_llama(
     apply_ac(model, ac)
     if training.compile:
         apply_compile(model, float8)
-    if parallel_dims.dp_enabled:
+    if parallel_dims.fully_shard_enabled:
         apply_fsdp(model, parallel_dims, training, parallelism, float8)
     return tp_plan
 

@@ -6,7 +6,8 @@
     parallel_dims      degrees checked against the world, the shape and the device; the device mesh
     check_fits         the model's training state fits this rank's memory (host RAM on a CPU, the GPU's on CUDA)
     data               the tokenizer's batches, this data-parallel rank's slice
-    build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (TP, AC, compile, FSDP)
+    build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (CP, TP, AC, compile,
+                       FSDP)
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
     optimizer          AdamW + the LR schedule
     validator          [validation] on: held-out batches and the loss of the current weights on them
@@ -128,7 +129,8 @@ def check_fits(cfg: JobConfig, args: ModelArgs, shards: int, ranks_sharing: int,
     for the `ranks_sharing` ranks on one memory, fit that memory (kiln_base.config.check_model_memory); skipped by
     a dry run, which plans any size and prints its own estimate."""
     capacity, what = memory_capacity(device)
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    # A context-parallel rank holds 1/cp of each sequence, and its logits.
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len // cfg.parallelism.context_parallel_degree
     tp = cfg.parallelism.tensor_parallel_degree
     check_model_memory(args.shape(), shards, tokens, tp, ranks_sharing, capacity, what)
 
@@ -139,13 +141,20 @@ def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> Parallel
     check_world(cfg, world)
     check_parallel_plan(cfg, args.shape(), device_type)
     p = cfg.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree, world)
+    dims = ParallelDims(
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+        world,
+        cp=p.context_parallel_degree,
+    )
     dims.build_mesh(device_type)
     return dims
 
 
 def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device) -> DataLoader:
-    """This data-parallel rank's slice of every global batch (ranks of one TP group read the same batches)."""
+    """This data-parallel rank's slice of every global batch (ranks of one TP or CP group read the same batches;
+    a CP rank keeps its part of each sequence: Trainer.local_batch)."""
     dp_rank = dims.dp_mesh.get_local_rank()
     return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
 

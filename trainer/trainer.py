@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kiln_base.config import (
     CPU_BF16_COST,
     JobConfig,
+    check_memory_budget,
     grad_accum_steps,
     resolve_mixed_precision,
     validation_shape,
 )
 from kiln_base.errors import CheckpointError
+from parallelisms.context_parallel import build_context_parallel
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
@@ -38,10 +41,22 @@ from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
+from trainer.tools.dry_run import memory_estimate
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
 logger = logging.getLogger("kiln")
+
+
+@dataclass
+class Batch:
+    """The part of a micro-batch this rank computes: token ids and labels (bs, seq) and, under context parallelism,
+    the tokens' positions in their sequences and the loss normalizer (ContextParallel.shard_batch)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    normalizer: torch.Tensor | None = None
 
 
 def log_precision(param: str, precision: str, device_type: str) -> None:
@@ -93,7 +108,7 @@ class Trainer:
         longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
         args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
-        shards = self.parallel_dims.dp_shard * self.parallel_dims.tp
+        shards = self.parallel_dims.dp_shard * self.parallel_dims.cp * self.parallel_dims.tp  # FSDP: dp_shard x cp
         local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         build.check_fits(cfg, args, shards, local_ranks, self.device)
         dp_degree = self.parallel_dims.dp_degree
@@ -103,6 +118,9 @@ class Trainer:
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
+        rotate = cfg.parallelism.context_parallel_rotate_method
+        estimate = memory_estimate(self.model, args, t, cfg.activation_checkpoint, self.parallel_dims, rotate)
+        check_memory_budget(cfg, estimate)  # training.memory_budget_gib, before any weight is allocated
         flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
         logger.info(
             f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
@@ -114,12 +132,13 @@ class Trainer:
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
         d = self.parallel_dims
-        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard, d.tp, self.device.type))
+        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard * d.cp, d.tp, self.device.type))  # FSDP: dp_shard x cp
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"
+            if not self.parallel_dims.fully_shard_enabled and self.precision == "bfloat16"
             else contextlib.nullcontext()
         )
+        self.cp = build_context_parallel(self.parallel_dims, cfg.parallelism)  # each rank's part of a sequence
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
         self.validator = build.validator(
@@ -169,11 +188,19 @@ class Trainer:
             logger.warning(line)
         self.step = int(state["step"])
 
+    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
+        """What this rank computes of a micro-batch its data-parallel rank reads: all of it, or under context
+        parallelism its part of every sequence, the tokens' positions and the loss normalizer."""
+        if self.cp is None:
+            return Batch(inputs, labels)
+        return Batch(*self.cp.shard_batch(inputs, labels))
+
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and fp32 cross-entropy of one micro-batch."""
+        """Forward and fp32 cross-entropy of one micro-batch (under context parallelism, of this rank's part)."""
+        batch = self.local_batch(inputs, labels)
         with self.amp:
-            logits = self.model(inputs)
-        return self.loss_fn(logits, labels)
+            logits = self.model(batch.inputs, positions=batch.positions)
+        return self.loss_fn(logits, batch.labels, batch.normalizer)
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The forward and loss of one batch as training computes them, without backward (validation; the caller
@@ -228,7 +255,8 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, labels = next(self.dataloader)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            tokens, data_time = tokens + inputs.numel(), data_time + time.perf_counter() - t0
+            # Tokens this rank computes: a context-parallel rank, its 1/cp of each sequence.
+            tokens, data_time = tokens + inputs.numel() // self.parallel_dims.cp, data_time + time.perf_counter() - t0
             loss_sum += self.forward_backward(inputs, labels)
         self.metrics.count_step(tokens, data_time)  # once per step, not per micro-batch: the ETA counts steps
         max_norm = self.cfg.training.max_norm
@@ -245,10 +273,10 @@ class Trainer:
         return loss_sum / self.grad_accum_steps, grad_norm
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
-        """Mean over data-parallel ranks; called on log steps only (.item() syncs with the host)."""
-        if self.parallel_dims.dp_enabled:
+        """Mean over data- and context-parallel ranks; called on log steps only (.item() syncs with the host)."""
+        if self.parallel_dims.dp_enabled or self.parallel_dims.cp_enabled:
             loss = loss.clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.parallel_dims.dp_mesh.get_group())
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.parallel_dims.loss_mesh.get_group())
         return loss.item()
 
     def build_hooks(self) -> list[StepHook]:

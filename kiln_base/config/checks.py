@@ -16,6 +16,7 @@ raises ConfigError: one line naming the key and what is valid.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from kiln_base.config.schema import (
     Float8,
     JobConfig,
     Model,
+    Parallelism,
     Range,
     Training,
     resolve_mixed_precision,
@@ -79,11 +81,14 @@ def check_config(cfg: JobConfig) -> None:
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
-    tokens, block = t.local_batch_size * t.seq_len, cfg.float8.block_size
+    cp = cfg.parallelism.context_parallel_degree
+    # A context-parallel rank holds 1/cp of each sequence: its Linears see local batch x seq_len / cp tokens.
+    tokens, block = t.local_batch_size * t.seq_len // cp, cfg.float8.block_size
+    per_rank = "training.local_batch_size x seq_len" + (f" / context_parallel_degree ({cp})" if cp > 1 else "")
     _check(
         not cfg.float8.enable_float8_linear or block is None or tokens % block == 0,
         f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {block} tokens, but "
-        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {block}",
+        f"{per_rank} = {tokens}; make it a multiple of {block}",
     )
     if not cfg.job.dry_run and not cfg.job.print_config:
         found = "not a regular file" if os.path.exists(cfg.model.tokenizer_path) else "file not found"
@@ -157,24 +162,29 @@ def _check_float8_flags(cfg: Float8) -> None:
         )
 
 
-def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> int:
+def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1) -> int:
     """data_parallel_shard_degree for this world size (-1 = the rest); ConfigError unless the degrees multiply to
     the world size. ParallelDims and check_world both call this."""
-    for name, value in (("data_parallel_replicate_degree", dp_replicate), ("tensor_parallel_degree", tp)):
+    for name, value in (
+        ("data_parallel_replicate_degree", dp_replicate),
+        ("context_parallel_degree", cp),
+        ("tensor_parallel_degree", tp),
+    ):
         if value < 1:
             raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
-    others = dp_replicate * tp
+    others = dp_replicate * cp * tp
+    named = "data_parallel_replicate_degree x " + ("context_parallel_degree x " if cp > 1 else "")
     if dp_shard == -1:
         if world_size % others:
             raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree = {others} "
-                f"does not divide the world size {world_size}"
+                f"parallelism: {named}tensor_parallel_degree = {others} does not divide the world size {world_size}"
             )
         dp_shard = world_size // others
-    if dp_shard < 1 or dp_replicate * dp_shard * tp != world_size:
+    if dp_shard < 1 or dp_replicate * dp_shard * cp * tp != world_size:
+        cp_part = f"context_parallel_degree ({cp}) x " if cp > 1 else ""
         raise ConfigError(
             f"parallelism: data_parallel_replicate_degree ({dp_replicate}) x data_parallel_shard_degree "
-            f"({dp_shard}) x tensor_parallel_degree ({tp}) must equal the world size {world_size}"
+            f"({dp_shard}) x {cp_part}tensor_parallel_degree ({tp}) must equal the world size {world_size}"
         )
     return dp_shard
 
@@ -195,18 +205,35 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
     """What the config and the world size decide: the degrees multiply to the world, the global batch divides,
     sequence parallel splits every sequence. run_train.sh runs it before torchrun starts a rank; ParallelDims too."""
     p = cfg.parallelism
-    tp = p.tensor_parallel_degree
-    dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size)
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp)
     grad_accum_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard)
-    if cfg.training.seq_len % tp:  # sequence parallel splits every sequence into tp pieces
-        raise ConfigError(
-            f"training.seq_len ({cfg.training.seq_len}) must be divisible by tensor_parallel_degree ({tp})"
+    check_sequence_split(cfg.training.seq_len, p)
+    if cfg.validation.enable:  # validation batches are split the same way
+        check_sequence_split(validation_shape(cfg.validation, cfg.training)[1], p, "validation.seq_len")
+
+
+def check_sequence_split(seq_len: int, p: Parallelism, key: str = "training.seq_len") -> None:
+    """Context parallelism splits every sequence into chunks (2 x degree with head-tail load balancing), and
+    sequence parallel (TP) splits each rank's part again into tensor_parallel_degree pieces: all must be whole.
+    `key` names the length (training.seq_len, or validation.seq_len: unset, it is training's)."""
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    if cp > 1:
+        chunks = 2 * cp if p.context_parallel_load_balancer else cp
+        how = (
+            f"2 x context_parallel_degree = {chunks} chunks (context_parallel_load_balancer headtail: rank i holds "
+            f"chunks i and {chunks - 1} - i)"
+            if p.context_parallel_load_balancer
+            else f"context_parallel_degree = {cp} chunks"
         )
-    val_seq_len = validation_shape(cfg.validation, cfg.training)[1]
-    if cfg.validation.enable and val_seq_len % tp:
+        if seq_len % chunks:
+            raise ConfigError(f"{key} ({seq_len}) must split into {how}; make it a multiple of {chunks}")
+    if (seq_len // cp) % tp:  # sequence parallel splits every rank's part of a sequence into tp pieces
+        part = f"each context-parallel rank's {seq_len // cp} tokens" if cp > 1 else f"{key} ({seq_len})"
+        multiple = cp * math.lcm(tp, 2 if cp > 1 and p.context_parallel_load_balancer else 1)
         raise ConfigError(
-            f"validation.seq_len ({val_seq_len}) must be divisible by tensor_parallel_degree ({tp}) "
-            "(unset, it is training.seq_len)"
+            f"{part} must be divisible by tensor_parallel_degree ({tp}) (sequence parallel splits them); make "
+            f"{key} a multiple of {multiple}"
         )
 
 
@@ -402,6 +429,14 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
     ):
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")
+    cp = cfg.parallelism.context_parallel_degree
+    if cp > 1 and shape.attn_type != "sdpa":
+        raise ConfigError(
+            f"parallelism.context_parallel_degree {cp} with model.flavor {cfg.model.flavor} (document-masked "
+            f"attention, attn_type {shape.attn_type}): kiln's context-parallel attention is causal over the whole "
+            "sequence and does not split a document mask over its ranks yet; use a causal flavor (without "
+            "_flex/_varlen) or context_parallel_degree 1"
+        )
     if shape.attn_type == "varlen" and device_type != "cuda":
         flavor = cfg.model.flavor
         flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
@@ -438,6 +473,24 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             + " fails in the first forward on CPU (a torch bug, docs/parallelisms.md); use activation_checkpoint"
             ".mode none or selective_ac_option op, or drop --training.compile"
         )
+
+
+def check_memory_budget(cfg: JobConfig, estimate: Mapping[str, int]) -> None:
+    """training.memory_budget_gib against the per-rank estimate (trainer/tools/dry_run.py's memory_estimate: name ->
+    bytes), each rank before anything is allocated."""
+    budget = cfg.training.memory_budget_gib
+    total = sum(estimate.values())
+    if budget is None or total <= budget * 2**30:
+        return
+    gib = 2**30
+    parts = ", ".join(f"{name} {value / gib:.3g}" for name, value in estimate.items())
+    p = cfg.parallelism
+    raise ConfigError(
+        f"training.memory_budget_gib {budget:g}: this rank would need about {total / gib:.3g} GiB ({parts}); "
+        f"raise parallelism.context_parallel_degree ({p.context_parallel_degree}) or data_parallel_shard_degree, "
+        "checkpoint more activations (activation_checkpoint.mode) or shorten training.seq_len "
+        f"({cfg.training.seq_len})"
+    )
 
 
 # ----------------------------------------------------------------------------- float8 and the machine

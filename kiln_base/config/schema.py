@@ -225,6 +225,13 @@ class Training:
         None, "Random seed; same seed, same init.", valid=Range(lo=0, hi=2**64 - 1, note="torch.manual_seed's range")
     )
     deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
+    memory_budget_gib: float | None = _f(
+        None,
+        "Memory one rank may use, in GiB: before any weight is allocated, the dry run's per-rank estimate (weights, "
+        "gradients, optimizer state, one micro-batch's activations, context-parallel buffers) must fit in it, or "
+        "the run stops (exit 2) naming the estimate; unset = no check.",
+        valid=POSITIVE,
+    )
 
 
 @dataclass
@@ -274,6 +281,24 @@ class Parallelism:
     tensor_parallel_degree: int = _f(1, "Tensor-parallel degree (within a node).", valid=AT_LEAST_1)
     disable_loss_parallel: bool = _f(False, "Gather logits before the loss instead of a vocab-parallel loss.")
     enable_async_tensor_parallel: bool = _f(False, "Async TP (CUDA + compile only).")
+    context_parallel_degree: int = _f(
+        1,
+        "Context parallelism: every sequence is split over this many ranks, which exchange keys and values in "
+        "attention; they also join FSDP's shard group. 1 = off.",
+        valid=AT_LEAST_1,
+    )
+    context_parallel_rotate_method: str = _f(
+        "allgather",
+        "How context-parallel ranks exchange keys/values: allgather (all at once) or alltoall (one rank's shard "
+        "per step, passed round a ring).",
+        ("allgather", "alltoall"),
+    )
+    context_parallel_load_balancer: str | None = _f(
+        "headtail",
+        "Context-parallel split of a sequence: headtail = 2 x degree chunks, rank i holds chunks i and "
+        '2 x degree - 1 - i (equal causal-attention work per rank); none (or "") = one contiguous chunk per rank.',
+        ("headtail",),
+    )
 
 
 @dataclass

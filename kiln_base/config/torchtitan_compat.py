@@ -178,6 +178,15 @@ def _comm_mode(value: str) -> dict[str, Any]:
     return {"job.dry_run": True} if value == "fake_backend" else {}
 
 
+def _cp_load_balancer(value: str | None) -> dict[str, Any]:
+    if value == "ptrr":
+        raise Refused(
+            "the per-token round-robin balancer serves torchtitan's flex attention (document masks), which kiln's "
+            'context-parallel attention does not run; use "headtail" (or none)'
+        )
+    return {"parallelism.context_parallel_load_balancer": value}
+
+
 def _compile_components(value: list[str]) -> bool:
     return "model" in value and set(value) <= {"model", "loss"}
 
@@ -185,7 +194,6 @@ def _compile_components(value: list[str]) -> bool:
 # ----------------------------------------------------------------------------- the table
 
 PP_ONLY = "only read when parallelism.pipeline_parallel_degree > 1, which kiln refuses"
-CP_ONLY = "only read when parallelism.context_parallel_degree > 1, which kiln refuses"
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
 FT_ONLY = "only read when fault_tolerance.enable is true, which kiln refuses"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
@@ -387,17 +395,15 @@ ROWS_LIST: tuple[Key, ...] = (
     ignore_any("parallelism.pipeline_parallel_schedule_csv", ALL, PP_ONLY),
     ignore_any("parallelism.pipeline_parallel_microbatch_size", ALL, PP_ONLY),
     ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, PP_ONLY),
-    ignore_if(
-        "parallelism.context_parallel_degree",
-        ALL,
-        int,
-        (1,),
-        "context parallelism off",
-        "context parallelism is not supported; use tensor_parallel_degree, activation_checkpoint.mode full or a "
-        "shorter training.seq_len",
+    honour("parallelism.context_parallel_degree", ALL, "kiln's own CP attention (CPU and CUDA; docs/parallelisms.md)"),
+    honour("parallelism.context_parallel_rotate_method", ALL),
+    mapped(
+        "parallelism.context_parallel_load_balancer",
+        V022,
+        str | None,
+        _cp_load_balancer,
+        'honoured: `"headtail"` or none; `"ptrr"` (torchtitan\'s balancer for flex attention) refused',
     ),
-    ignore_any("parallelism.context_parallel_rotate_method", ALL, CP_ONLY),
-    ignore_any("parallelism.context_parallel_load_balancer", V022, CP_ONLY),
     ignore_if("parallelism.expert_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
     ignore_if("parallelism.expert_tensor_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
     ignore_any("parallelism.expert_parallel_comm_backend", V021, EP_ONLY),
@@ -812,7 +818,10 @@ def resolve(
             if row.type is not bool and not (isinstance(row.action, Ignore) and row.action.accept is None):
                 raise ConfigError(f"--{row.name}: needs a value")
             name, where, raw = row.name, f"--{row.name}", row.name == name
-        out_cli += [(*target.split(".", 1), value) for target, value in apply(name, raw, where).items()]
+        # An unset optional value travels as "none": the parser reads a None value as a bare flag.
+        for target, value in apply(name, raw, where).items():
+            target_section, _, target_key = target.partition(".")
+            out_cli.append((target_section, target_key, "none" if value is None else value))
     check_both_spellings()
 
     for note in notes.values():

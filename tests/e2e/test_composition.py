@@ -1,6 +1,7 @@
-"""Every pair of (precision, layout, activation checkpointing, compile, attention) values trained end to end.
+"""Every pair of (precision, layout, context parallelism, activation checkpointing, compile, attention) values trained
+end to end.
 
-The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 2 x 2 = 360 runs)
+The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 3 x 2 x 2 = 1080 runs)
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
 construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
@@ -58,6 +59,13 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "fsdp2xtp2": (4, (f"{P}data_parallel_shard_degree", "2", f"{P}tensor_parallel_degree", "2")),
     "hsdp2x2": (4, (f"{P}data_parallel_replicate_degree", "2", f"{P}data_parallel_shard_degree", "2")),
 }
+# Context parallelism multiplies a layout's ranks: cp2 splits every sequence over 2 ranks (head-tail chunks), which
+# also join FSDP's shard group; keys/values all-gathered (cp2) or passed round the ring (cp2_a2a).
+CPS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "off": (1, ()),
+    "cp2": (2, (f"{P}context_parallel_degree", "2")),
+    "cp2_a2a": (2, (f"{P}context_parallel_degree", "2", f"{P}context_parallel_rotate_method", "alltoall")),
+}
 AC = "--activation_checkpoint."
 ACS: dict[str, tuple[str, ...]] = {
     "none": (f"{AC}mode", "none"),
@@ -68,7 +76,14 @@ COMPILES: dict[str, tuple[str, ...]] = {"eager": (), "compile": ("--training.com
 # Document masking (models/attention.py): the flex flavor of the debug model; on the CPU its block mask runs
 # through SDPA, evaluated densely inside each block (the BlockMask itself crosses TP, FSDP, AC and compile).
 ATTENTIONS: dict[str, tuple[str, ...]] = {"causal": (), "block_causal": ("--model.flavor", "debugmodel_flex_attn")}
-AXES = {"precision": PRECISIONS, "layout": LAYOUTS, "ac": ACS, "compile": COMPILES, "attention": ATTENTIONS}
+AXES = {
+    "precision": PRECISIONS,
+    "layout": LAYOUTS,
+    "cp": CPS,
+    "ac": ACS,
+    "compile": COMPILES,
+    "attention": ATTENTIONS,
+}
 
 GLOBAL_BATCH, STEPS = 4, 4
 # Every cell sees the same global batches (the sample order is global): local batch = 4 / data-parallel degree.
@@ -84,17 +99,19 @@ COMMON = (
 class Cell:
     precision: str
     layout: str
+    cp: str
     ac: str
     compile: str
     attention: str
 
     @property
     def id(self) -> str:
-        return f"{self.precision}-{self.layout}-{self.ac}-{self.compile}-{self.attention}"
+        cp = "" if self.cp == "off" else f"-{self.cp}"
+        return f"{self.precision}-{self.layout}{cp}-{self.ac}-{self.compile}-{self.attention}"
 
     @property
     def world_size(self) -> int:
-        return LAYOUTS[self.layout][0]
+        return LAYOUTS[self.layout][0] * CPS[self.cp][0]
 
     @property
     def dp_degree(self) -> int:
@@ -105,6 +122,7 @@ class Cell:
         extra = (
             *PRECISIONS[self.precision],
             *LAYOUTS[self.layout][1],
+            *CPS[self.cp][1],
             *ACS[self.ac],
             *COMPILES[self.compile],
             *ATTENTIONS[self.attention],
@@ -112,16 +130,28 @@ class Cell:
         return [*COMMON, *local_batch, *extra, "--job.dump_folder", dump_folder]
 
 
-# A cell whose value on every listed axis is among the listed ones does not run, for the reason given.
+CP_DOCUMENT_MASK = (
+    "refused (config error, exit 2): context parallelism splits causal attention only; a document mask is not "
+    "split over its ranks yet"
+)
+TP_COMPILE_LAYER_AC = (
+    "refused on CPU (config error, exit 2): TP + compile + whole-block AC fails in the first forward "
+    "(a torch bug); allowed on CUDA, untested"
+)
+# A cell whose value on every listed axis is among the listed ones does not run, for the reason given (the first
+# that matches).
 EXCLUDED: list[tuple[dict[str, tuple[str, ...]], str]] = [
     (
-        {"precision": ("tensorwise_ag",), "layout": ("1rank", "tp2")},
-        "invalid: float8 all-gather needs FSDP (the first-step float8 check exits 2)",
+        {"precision": ("tensorwise_ag",), "layout": ("1rank", "tp2"), "cp": ("off",)},
+        "invalid: float8 all-gather needs FSDP (the first-step float8 check exits 2); with CP its ranks shard",
+    ),
+    (
+        {"cp": ("cp2", "cp2_a2a"), "attention": ("block_causal",)},
+        CP_DOCUMENT_MASK,
     ),
     (
         {"layout": ("tp2", "fsdp2xtp2"), "ac": ("layer",), "compile": ("compile",)},
-        "refused on CPU (config error, exit 2): TP + compile + whole-block AC fails in the first forward "
-        "(a torch bug); allowed on CUDA, untested",
+        TP_COMPILE_LAYER_AC,
     ),
 ]
 
@@ -135,8 +165,8 @@ def excluded(cell: Cell) -> str | None:
 
 
 def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
-    values = list(zip(AXES, (cell.precision, cell.layout, cell.ac, cell.compile, cell.attention), strict=True))
-    return set(itertools.combinations(values, 2))
+    values = (cell.precision, cell.layout, cell.cp, cell.ac, cell.compile, cell.attention)
+    return set(itertools.combinations(list(zip(AXES, values, strict=True)), 2))
 
 
 def _cost(cell: Cell) -> int:
@@ -150,6 +180,11 @@ def all_cells() -> list[Cell]:
     return [Cell(*values) for values in itertools.product(*(list(axis) for axis in AXES.values()))]
 
 
+# What a unit of cost takes off a cell's count of new pairs. 0.12 (0.03 before the CP axis) keeps the 8-rank cells
+# (a 4-rank layout with CP 2) eager: one compiling on 8 processes costs as much as a dozen eager 4-rank cells.
+CHARGE = 0.12
+
+
 def covering_cells() -> list[Cell]:
     """Deterministic greedy pairwise covering array over the cells that run: each pick covers the most pairs not
     yet covered, less a small charge for its cost (compiling on 4 processes is what takes time on 2 cores)."""
@@ -158,7 +193,7 @@ def covering_cells() -> list[Cell]:
     cells: list[Cell] = []
     while uncovered:
         useful = [c for c in candidates if _pairs(c) & uncovered]
-        best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - 0.03 * _cost(c), -_cost(c)))
+        best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - CHARGE * _cost(c), -_cost(c)))
         cells.append(best)
         uncovered -= _pairs(best)
     return sorted(cells, key=lambda c: (c.world_size, c.compile, c.id))
@@ -171,7 +206,7 @@ def reference(attention: str) -> Cell:
     """The one-process, float8-off, no-AC, eager run of an attention: every cell of every layout starts from the
     same weights (one seed, one model: parallelisms/seeded_init.py) and sees the same global batches, so each is
     compared with it."""
-    return Cell("bf16", "1rank", "none", "eager", attention)
+    return Cell("bf16", "1rank", "off", "none", "eager", attention)
 
 
 # ----------------------------------------------------------------------------- running cells
@@ -259,10 +294,10 @@ def _check_trains(cell: Cell, result: dict[str, Any], ref: dict[str, Any]) -> No
     # From ~ln(vocab) = 7.7, lr 3e-3: some later step is well below the first (not always the last: batches differ).
     assert min(losses[1:]) < losses[0] - 0.3, losses
     # Against one process's float8-off eager run on the same weights and batches: AC recomputes the same fp32
-    # kernels (equal on one process; other layouts reduce in another order: fp32 noise); compile reorders fp32 sums
-    # and float8 rounds, which AdamW's first steps amplify.
+    # kernels (equal on one process; other layouts reduce in another order, and CP merges attention blocks by
+    # log-sum-exp: fp32 noise); compile reorders fp32 sums and float8 rounds, which AdamW's first steps amplify.
     exact = cell.precision == "bf16" and cell.compile == "eager"
-    tol = (1e-6 if cell.layout == "1rank" else 1e-5) if exact else 3e-3
+    tol = (1e-6 if cell.layout == "1rank" and cell.cp == "off" else 1e-5) if exact else 3e-3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=tol, atol=0)
     if cell.compile == "compile":  # every graph compiles in step 1: a recompile per batch would cost more than a mask
         graphs = result["graphs"]
@@ -293,14 +328,21 @@ def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     from kiln_base.errors import ConfigError
     from models import LLAMA3_FLAVORS
 
-    refused = [c for c in all_cells() if excluded(c) and "refused" in excluded(c)]
-    # tp2 (no float8 all-gather there) and fsdp2xtp2, each with layer AC + compile, under both attentions
-    assert len(refused) == 2 * (5 + 6)
+    refused = [c for c in all_cells() if excluded(c) == TP_COMPILE_LAYER_AC]
+    # tp2 and fsdp2xtp2 with layer AC + compile: without CP (no float8 all-gather on tp2) under both attentions,
+    # with either CP under causal attention (document masks are refused with CP first)
+    assert len(refused) == 2 * (5 + 6) + 2 * (6 + 6)
     for cell in refused:
         cfg = parse_args(cell.argv(str(tmp_path)))
         with pytest.raises(ConfigError, match="fails in"):
             check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel"].shape(), "cpu")
-    cell = Cell("tensorwise_ag", "1rank", "none", "eager", "causal")
+    cp_masked = [c for c in all_cells() if excluded(c) == CP_DOCUMENT_MASK]
+    assert len(cp_masked) == 6 * 5 * 2 * 3 * 2
+    for cell in cp_masked[:: len(cp_masked) // 7]:
+        cfg = parse_args(cell.argv(str(tmp_path)))
+        with pytest.raises(ConfigError, match="context_parallel_degree 2 with model.flavor debugmodel_flex_attn"):
+            check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel_flex_attn"].shape(), "cpu")
+    cell = Cell("tensorwise_ag", "1rank", "off", "none", "eager", "causal")
     assert excluded(cell).startswith("invalid")
     assert train.main([*cell.argv(str(tmp_path)), "--training.steps", "1"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
@@ -315,22 +357,24 @@ def test_cells_cover_every_pair_of_axis_values() -> None:
     wanted = set().union(*(_pairs(c) for c in runnable))
     assert set().union(*(_pairs(c) for c in CELLS)) == wanted
     assert all(excluded(c) is None for c in CELLS) and len(set(CELLS)) == len(CELLS)
-    # The only pairs no runnable cell has are the ones excluded by construction.
+    # The only pairs no runnable cell has are the ones excluded by construction: CP with a document mask (float8
+    # all-gather on 1 rank or TP 2 is invalid without CP, but CP's ranks shard).
     every = set().union(*(_pairs(c) for c in all_cells()))
     missing = {tuple(v for _, v in pair) for pair in every - wanted}
-    assert missing == {("tensorwise_ag", "1rank"), ("tensorwise_ag", "tp2")}
+    assert missing == {("cp2", "block_causal"), ("cp2_a2a", "block_causal")}
     assert covering_cells() == CELLS  # deterministic
 
 
 def composition_table() -> str:
     """The markdown table in docs/parallelisms.md: every cell run here, then the combinations excluded."""
     rows = [
-        "| precision | layout | AC | compile | attention | status (CPU, gloo) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| precision | layout | CP | AC | compile | attention | status (CPU, gloo) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in CELLS:
         test_id = f"`test_composition.py::test_cell[{c.id}]`"
-        rows.append(f"| {c.precision} | {c.layout} | {c.ac} | {c.compile} | {c.attention} | tested: {test_id} |")
+        cols = (c.precision, c.layout, c.cp, c.ac, c.compile, c.attention)
+        rows.append(f"| {' | '.join(cols)} | tested: {test_id} |")
     for match, reason in EXCLUDED:
         axes = [", ".join(match.get(axis, ("any",))) for axis in AXES]
         rows.append(f"| {' | '.join(axes)} | {reason} |")

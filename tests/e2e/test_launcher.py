@@ -101,6 +101,32 @@ MISTAKES = [
         "training.seq_len (33) must be divisible",
         True,
     ),
+    (
+        "cp_seq_len",
+        [*("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")]
+        + ["--training.seq_len", "30"],
+        "training.seq_len (30) must split into 2 x context_parallel_degree = 4 chunks",
+        True,
+    ),
+    (
+        "cp_degree",
+        ["--parallelism.context_parallel_degree", "4"],
+        "context_parallel_degree x tensor_parallel_degree = 4 does not divide the world size 2",
+        True,
+    ),
+    (
+        "cp_block_causal",
+        [*("--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")]
+        + ["--model.flavor", "debugmodel_flex_attn"],
+        "parallelism.context_parallel_degree 2 with model.flavor debugmodel_flex_attn (document-masked attention",
+        True,
+    ),
+    (
+        "cp_ptrr",
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_load_balancer", "ptrr"],
+        'context_parallel_load_balancer = "ptrr": the per-token round-robin balancer serves',
+        True,
+    ),
     ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", True),
     ("dataset_name", ["--training.dataset", "nosuch"], "training.dataset: unknown dataset 'nosuch'", True),
     (
@@ -153,6 +179,15 @@ MISTAKES = [
 SINGLE_RANK = {
     "tp3": (["--parallelism.tensor_parallel_degree", "3"], "does not divide the world size 1"),
     "fsdp3": (["--parallelism.data_parallel_shard_degree", "3"], "must equal the world size 1"),
+    "cp_seq_len": (
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_load_balancer", "none"],
+        "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
+    ),
+    "cp_degree": (["--parallelism.context_parallel_degree", "4"], "= 4 does not divide the world size 1"),
+    "cp_block_causal": (
+        ["--parallelism.context_parallel_degree", "2", "--model.flavor", "debugmodel_flex_attn"],
+        "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
+    ),
 }
 
 

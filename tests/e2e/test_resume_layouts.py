@@ -44,6 +44,8 @@ FSDP2_TP2 = (
     "2",
 )
 ONE = ("--training.local_batch_size", "4")
+# Context parallel: both ranks read the same batches and keep their halves of every sequence; FSDP over them.
+CP2 = (f"{P}context_parallel_degree", "2", f"{P}context_parallel_rotate_method", "alltoall", *ONE)
 TENSORWISE_AG = (
     *(*F8, "tensorwise", "--float8.enable_fsdp_float8_all_gather"),
     "--float8.precompute_float8_dynamic_scale_for_fsdp",
@@ -57,6 +59,7 @@ SCENARIOS: dict[str, tuple[int, tuple[str, ...], tuple[str, ...]]] = {
     "1rank-tensorwise-to-rowwise": (1, (*ONE, *F8, "tensorwise"), (*ONE, *F8, "rowwise")),
     "fsdp2-tensorwise-ag-precompute-opsac": (2, *[(*FSDP2, *TENSORWISE_AG, *OP_SAC)] * 2),
     "tp2-rowwise": (2, *[(*TP2, *F8, "rowwise")] * 2),
+    "cp2-alltoall-tensorwise-ag": (2, *[(*CP2, *TENSORWISE_AG)] * 2),
     "fsdp2xtp2-tensorwise": (4, *[(*FSDP2_TP2, *F8, "tensorwise")] * 2),
 }
 

@@ -90,4 +90,26 @@ def train_in_group(argv: list[str], store: str, extra_hooks: Sequence[Any] = ())
     closed Trainer."""
     reopen_group(store)
     torch._dynamo.reset()  # each run compiles its own blocks, never reuses another run's graphs
+    forget_dtensor_plans()
     return run_trainer(argv, extra_hooks)
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached redistribution plans before another Trainer in the same process.
+
+    DTensor caches sharding decisions and redistribution plans by placements and mesh, and meshes compare equal by
+    layout and names, not by their process groups: a later Trainer's equal mesh gets the earlier one's, whose
+    groups died with the earlier process group. Group names restart with each process group, so an old mesh's
+    names usually name the new groups too; a flattened mesh (dp_shard_cp) is created in another order and does
+    not ("Could not resolve the process group registered under the name 15"). Only a process that builds
+    several Trainers meets this: the tests."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    # Looked up, not imported: the names are torch 2.13's (the multi-process tests run on the newest torch only).
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()  # output specs with their meshes (the Python and the C++ fast-path caches)
+    transform_infos = getattr(_redistribute, "_gen_transform_infos", None)
+    if transform_infos is not None:
+        transform_infos.cache_clear()
+    getattr(_redistribute, "_planner_cache", {}).clear()

@@ -241,7 +241,10 @@ REFUSALS = [
         "--parallelism.pipeline_parallel_degree = 4: pipeline parallelism is not supported; "
         "use tensor_parallel_degree / FSDP",
     ),
-    (["--parallelism.context_parallel_degree", "2"], "context_parallel_degree = 2: context parallelism is not"),
+    (
+        ["--parallelism.context_parallel_load_balancer", "ptrr"],
+        '--parallelism.context_parallel_load_balancer = "ptrr": the per-token round-robin balancer serves',
+    ),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
     (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs; kiln trains dense"),
     (["--training.dtype", "bfloat16"], '--training.dtype = "bfloat16": all-bfloat16 training is not supported'),

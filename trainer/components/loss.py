@@ -14,12 +14,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) labels, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+def cross_entropy_loss(
+    logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross-entropy of (batch, seq, vocab) logits against (batch, seq) labels, computed in fp32: the mean over the
+    tokens, or their sum divided by `normalizer` (context parallelism: the whole sequences' token count over the
+    context-parallel degree, so the ranks' mean is the mean over the whole sequences)."""
+    if normalizer is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / normalizer
 
 
 def build_loss_fn(compile: bool) -> LossFn:

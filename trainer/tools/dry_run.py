@@ -3,7 +3,7 @@
 No weights are allocated and nothing is communicated: the world is simulated with torch's fake process
 group, so an 8B/70B/405B plan for any mesh prints on a laptop CPU in seconds.
 
-Simulated world size = dp_replicate x max(dp_shard, 1) x tp: `data_parallel_shard_degree = -1` ("the
+Simulated world size = dp_replicate x max(dp_shard, 1) x cp x tp: `data_parallel_shard_degree = -1` ("the
 rest") counts as 1, so a TP-only config plans a single TP group; pass an explicit
 `--parallelism.data_parallel_shard_degree N` to plan FSDP over N shards as well.
 
@@ -29,6 +29,7 @@ from kiln_base.config import (
     JobConfig,
     Parallelism,
     Training,
+    check_sequence_split,
     resolve_mixed_precision,
     training_bytes,
 )
@@ -43,7 +44,8 @@ LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 specia
 
 
 def simulated_world_size(p: Parallelism) -> int:
-    return p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1) * p.tensor_parallel_degree
+    shard = max(p.data_parallel_shard_degree, 1)
+    return p.data_parallel_replicate_degree * shard * p.context_parallel_degree * p.tensor_parallel_degree
 
 
 def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
@@ -112,30 +114,43 @@ def _activation_elems_per_token_layer(args: ModelArgs, ac: ActivationCheckpoint)
 
 
 def memory_estimate(
-    model: nn.Module, args: ModelArgs, training: Training, ac: ActivationCheckpoint, parallel_dims: ParallelDims
+    model: nn.Module,
+    args: ModelArgs,
+    training: Training,
+    ac: ActivationCheckpoint,
+    parallel_dims: ParallelDims,
+    rotate_method: str = "allgather",
 ) -> dict[str, int]:
-    """Bytes per device: fp32 master params, fp32 grads, AdamW m+v (fp32), activations of one micro-batch.
+    """Bytes per device: fp32 master params, fp32 grads, AdamW m+v (fp32), activations of one micro-batch, and
+    with context parallelism the key/value buffers of one block's attention.
 
     Params/grads/optimizer use each parameter's local shard (DTensor shard shape after TP and FSDP).
-    Activations: tokens = local_batch_size x seq_len per device; per block see
+    Activations: tokens = local_batch_size x seq_len / cp per device; per block see
     `_activation_elems_per_token_layer` x 2 bytes (bf16), divided by tp (TP shards heads/hidden, sequence
     parallel shards the rest); plus the logits kept for the loss: bf16 logits + fp32 log-softmax
-    (6 bytes x vocab per token, / tp with loss parallel). Not included: bf16 copies of the weights held for
-    backward (FSDP's unsharded params, autocast's casts), transient all-gather buffers and allocator
+    (6 bytes x vocab per token, / tp with loss parallel). Context parallel attention briefly holds other ranks'
+    keys and values (bf16) and, in backward, float32 gradients for them: all cp ranks' with `allgather`, two
+    ranks' with `alltoall` (the one in use and the one arriving). Not included: bf16 copies of the weights held
+    for backward (FSDP's unsharded params, autocast's casts), other transient buffers and allocator
     fragmentation: budget ~10-20% on top. On the debug model (seq 64, batch 2, bf16 autocast) the estimate
     is within 10% of the saved-activation report (no AC: 10.8 vs 10.1 MB; per-op SAC: 4.9 vs 5.0 MB).
     """
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    tokens = training.local_batch_size * training.seq_len
-    tp = parallel_dims.tp
+    cp, tp = parallel_dims.cp, parallel_dims.tp
+    tokens = training.local_batch_size * training.seq_len // cp
     per_layer = _activation_elems_per_token_layer(args, ac) * 2 / tp
     logits = 6 * args.vocab_size / tp
-    return {
+    estimate = {
         "params (fp32)": 4 * local,
         "grads (fp32)": 4 * local,
         "optimizer (AdamW m+v fp32)": 8 * local,
         "activations (one micro-batch)": int(tokens * (args.n_layers * per_layer + logits)),
     }
+    if cp > 1:
+        kv = 2 * args.dim // args.n_heads * (args.n_kv_heads or args.n_heads) // tp  # k and v elements per token
+        held = cp if rotate_method == "allgather" else 2  # ranks' keys/values held at once
+        estimate["CP key/value buffers (one block)"] = tokens * held * kv * (2 + 4)
+    return estimate
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -153,8 +168,13 @@ def dry_run(cfg: JobConfig) -> str:
     world = simulated_world_size(p)
     _init_fake_world(world)
     try:
+        check_sequence_split(t.seq_len, p)
         dims = ParallelDims(
-            p.data_parallel_replicate_degree, max(p.data_parallel_shard_degree, 1), p.tensor_parallel_degree, world
+            p.data_parallel_replicate_degree,
+            max(p.data_parallel_shard_degree, 1),
+            p.tensor_parallel_degree,
+            world,
+            cp=p.context_parallel_degree,
         )
         dims.build_mesh("cpu")
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
@@ -172,24 +192,32 @@ def dry_run(cfg: JobConfig) -> str:
             f"(vocab {args.vocab_size}: {vocab_source})",
             f"parameters: {n_params:,}   seq {t.seq_len}   "
             + flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops),
-            f"simulated world: {world} = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}",
-            f"mesh: {dict(zip(dims.mesh.mesh_dim_names or (), dims.mesh.shape))}  (FSDP {on[dims.dp_shard_enabled]}, "
-            f"HSDP {on[dims.dp_replicate_enabled]}, TP {on[dims.tp_enabled]})",
+            f"simulated world: {world} = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+            + (f" x cp {dims.cp}" if dims.cp_enabled else "")
+            + f" x tp {dims.tp}",
+            f"mesh: {dict(zip(dims.mesh.mesh_dim_names or (), dims.mesh.shape))}  (FSDP {on[dims.fsdp_enabled]}, "
+            f"HSDP {on[dims.dp_replicate_enabled]}, CP {on[dims.cp_enabled]}, TP {on[dims.tp_enabled]})",
             *float8_lines,
             f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
             f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
             f"{t.mixed_precision_param}); master weights float32",
-            reduction_line(t, dims.dp_replicate, dims.dp_shard, dims.tp, "cuda"),
+            reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, "cuda"),
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
             lines += [f"  {pat:<34} x{n:<4} {v}" for pat, v, n in sorted(_group(_tp_styles(model, plan)), key=_order)]
+        lines += _cp_lines(dims, p, t.seq_len)
         lines += _ac_lines(ac)
-        mem = memory_estimate(model, args, t, ac, dims)
-        lines.append(f"memory per device (estimate; local batch {t.local_batch_size} x seq {t.seq_len}):")
-        lines += [f"  {k:<32} {v / 2**30:9.2f} GiB" for k, v in mem.items()]
-        lines.append(f"  {'total':<32} {sum(mem.values()) / 2**30:9.2f} GiB")
-        state = training_bytes(args.shape(), dims.dp_shard * dims.tp)
+        mem = memory_estimate(model, args, t, ac, dims, p.context_parallel_rotate_method)
+        per_rank = f" / cp {dims.cp} = {t.seq_len // dims.cp} tokens" if dims.cp_enabled else ""
+        lines.append(f"memory per device (estimate; local batch {t.local_batch_size} x seq {t.seq_len}{per_rank}):")
+        unit, size = ("GiB", 2**30) if sum(mem.values()) >= 2**30 else ("MiB", 2**20)  # small models: MiB
+        lines += [f"  {k:<32} {v / size:9.2f} {unit}" for k, v in mem.items()]
+        lines.append(f"  {'total':<32} {sum(mem.values()) / size:9.2f} {unit}")
+        if t.memory_budget_gib is not None:
+            fits = sum(mem.values()) <= t.memory_budget_gib * 2**30
+            lines.append(f"  training.memory_budget_gib {t.memory_budget_gib:g}: {'fits' if fits else 'DOES NOT FIT'}")
+        state = training_bytes(args.shape(), dims.dp_shard * dims.cp * dims.tp)
         lines.append(
             f"  start-up check (not applied to a dry run): {state / 2**30:,.2f} GiB a rank of weights, gradients and "
             "AdamW state must fit the rank's memory (host RAM on a CPU node, shared by its ranks; the GPU's)"
@@ -242,6 +270,23 @@ def _tp_styles(model: nn.Module, plan: Mapping[str, object] | None) -> dict[str,
             name = _unwrapped_name(name)
             styles[name] = f"{styles.get(name, '')} {layout}".strip()
     return styles
+
+
+def _cp_lines(dims: ParallelDims, p: Parallelism, seq_len: int) -> list[str]:
+    if not dims.cp_enabled:
+        return []
+    balanced = p.context_parallel_load_balancer == "headtail"
+    n_chunks = 2 * dims.cp if balanced else dims.cp
+    split = (
+        f"{n_chunks} chunks of {seq_len // n_chunks}, rank i holds chunks i and {n_chunks - 1} - i (headtail)"
+        if balanced
+        else f"{n_chunks} contiguous chunks of {seq_len // n_chunks}, one per rank"
+    )
+    return [
+        f"context parallel (cp={dims.cp}, rotate {p.context_parallel_rotate_method}): each rank holds "
+        f"{seq_len // dims.cp} of every sequence's {seq_len} tokens: {split}; FSDP shards over dp_shard x cp "
+        f"= {dims.dp_shard * dims.cp} ranks",
+    ]
 
 
 def _ac_lines(ac: ActivationCheckpoint) -> list[str]:
