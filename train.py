@@ -36,6 +36,7 @@ def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | 
         if not cfg.job.dry_run:  # the dry run simulates its own world and plans for files that may be elsewhere
             if world_size is not None:
                 check_world(cfg, world_size)
+                check_pipeline_split(cfg)
             if not cfg.job.print_config:
                 check_inputs(cfg)
     except UserError as e:
@@ -44,6 +45,22 @@ def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | 
     finally:
         log.setLevel(level)
     return cfg
+
+
+def check_pipeline_split(cfg: JobConfig) -> None:
+    """With pipeline parallelism on, the split of the flavor's blocks (with model.n_layers) into stages, before any
+    rank starts. It reads the flavor table in models/, whose package imports torch: a few seconds, paid only with
+    pipelining on. A shape stored with checkpoint.initial_load_path (from_checkpoint) is checked by the ranks."""
+    from kiln_base.config import FROM_CHECKPOINT, SHAPE_OVERRIDES, check_pipeline
+
+    if cfg.parallelism.pipeline_parallel_degree == 1 or cfg.model.flavor == FROM_CHECKPOINT:
+        return
+    import dataclasses
+
+    from models import LLAMA3_FLAVORS
+
+    overrides = {key: getattr(cfg.model, key) for key in SHAPE_OVERRIDES if getattr(cfg.model, key) is not None}
+    check_pipeline(cfg, dataclasses.replace(LLAMA3_FLAVORS[cfg.model.flavor], **overrides).shape())
 
 
 def check_inputs(cfg: JobConfig) -> None:

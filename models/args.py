@@ -32,7 +32,9 @@ class ModelArgs:
     def shape(self) -> ModelShape:
         """What the config checks need to know of this shape (kiln_base/config/checks.py)."""
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-        return ModelShape(self.dim, self.n_layers, self.n_heads, kv, ffn_hidden_dim(self), self.vocab_size)
+        return ModelShape(
+            self.dim, self.n_layers, self.n_heads, kv, ffn_hidden_dim(self), self.vocab_size, self.tie_word_embeddings
+        )
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:

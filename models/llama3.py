@@ -6,6 +6,7 @@ and checkpoints written for torchtitan apply unchanged. No distributed code live
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +219,8 @@ class Transformer(nn.Module):
             out["tok_embeddings.weight"] = ParamInit("trunc_normal", std, 3.0) if tied else ParamInit("normal")
         for name, layer in self.layers.items():
             if layer is not None:  # a block, or its AC/compile wrapper (which forwards attributes)
-                out |= {f"layers.{name}.{k}": v for k, v in layer.param_inits().items()}
+                block = cast(TransformerBlock, layer)
+                out |= {f"layers.{name}.{k}": v for k, v in block.param_inits().items()}
         if self.norm is not None:
             out["norm.weight"] = ParamInit("ones")
         if self.output is not None:

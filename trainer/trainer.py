@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
 from kiln_base.errors import CheckpointError
 from parallelisms.parallelize import loss_parallel_enabled
+from parallelisms.pipeline import clip_grad_norm_
 from trainer import build
 from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
@@ -80,7 +81,7 @@ class Trainer:
             f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
         )
-        build.materialize(self.model, self.device, build.init_seed(t.seed))
+        build.materialize(built.parts, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
@@ -91,6 +92,7 @@ class Trainer:
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
+        self.pipeline = build.pipeline(built, self.parallel_dims, self.device, self.loss_fn)  # None without PP
 
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -104,10 +106,10 @@ class Trainer:
             "dataloader": self.dataloader,
             "train_state": self,
         }
-        self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states)
+        self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states, built.held_elsewhere)
         self.step = self.checkpointer.load(last_step=t.steps)  # a full checkpoint also checks self.settings
         if source is not None and self.checkpointer.loaded is None:  # nothing of this run's to resume
-            load_initial(source, self.model)
+            load_initial(source, self.model, built.held_elsewhere)
         elif self.checkpointer.loaded is None:
             logger.info("Training from scratch (freshly initialised weights)")
         if self.step > 0:
@@ -185,14 +187,24 @@ class Trainer:
             inputs, labels = next(self.dataloader)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             tokens, data_time = tokens + inputs.numel(), data_time + time.perf_counter() - t0
-            loss_sum += self.forward_backward(inputs, labels)
-        self.metrics.count_step(tokens, data_time)  # once per step, not per micro-batch: the ETA counts steps
+            if self.pipeline is not None:  # every micro-batch through every stage; the loss on every stage's rank
+                with self.amp, self.loss_context():
+                    loss_sum += self.pipeline.step(inputs, labels, self.grad_accum_steps)
+            else:
+                loss_sum += self.forward_backward(inputs, labels)
+        # Once per step, not per micro-batch (the ETA counts steps). A pipeline's ranks share its tokens: each counts
+        # its share, so tps and mfu stay per device (torchtitan divides by the pipeline degree too).
+        self.metrics.count_step(tokens // self.parallel_dims.pp, data_time)
         max_norm = self.cfg.training.max_norm
+        max_norm = max_norm if max_norm > 0 else float("inf")
         # foreach: batched kernels on CUDA. A CPU has none (torch loops over the tensors either way), and there the
         # first foreach dispatch over DTensors costs ~0.6 s of a 4-rank run's first step (sharding propagation).
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=self.device.type == "cuda"
-        )
+        foreach = self.device.type == "cuda"
+        if self.parallel_dims.pp_enabled:  # each rank holds some stages: their norms combine over the pipeline
+            group = self.parallel_dims.pp_mesh.get_group()
+            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, group, foreach)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=foreach)
         self.last_lr = float(self.lr_scheduler.get_last_lr()[0])  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:

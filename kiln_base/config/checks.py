@@ -4,6 +4,7 @@
     check_world(cfg, world_size)           + the world size: the launcher before torchrun, each rank at start
     check_model_shape(...)                 + the model's shape: the launcher and each rank, before any build
     check_parallel_plan(...)               + the shape, the degrees and the device type: each rank, before the build
+    check_pipeline(cfg, shape)             + the shape: the pipeline split (the launcher with pipelining on, each rank)
     check_float8_device(...)               + what the GPUs and torch can do: each rank, before the build
 
 Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint), so this module stays
@@ -12,13 +13,24 @@ standard-library only and instant. A failed check raises ConfigError: one line n
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln_base.config.schema import FROM_CHECKPOINT, MXFP8_BLOCK, Float8, JobConfig, Model, Training
+from kiln_base.config.schema import (
+    FROM_CHECKPOINT,
+    MXFP8_BLOCK,
+    PP_SCHEDULES,
+    PP_ZERO_BUBBLE,
+    Float8,
+    JobConfig,
+    Model,
+    Parallelism,
+    Training,
+)
 from kiln_base.errors import ConfigError
 
 
@@ -52,6 +64,8 @@ def check_config(cfg: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
     _check_float8_flags(cfg.float8)
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        _check_pipeline_flags(cfg)
     _check(
         not cfg.checkpoint.create_seed_checkpoint or cfg.checkpoint.enable_checkpoint,
         "checkpoint.create_seed_checkpoint writes step-0 into the checkpoint folder; "
@@ -124,25 +138,45 @@ def _check_float8_flags(cfg: Float8) -> None:
         )
 
 
-def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> int:
-    """data_parallel_shard_degree for this world size (-1 = the rest); ConfigError unless the degrees multiply to
-    the world size. ParallelDims and check_world both call this."""
-    for name, value in (("data_parallel_replicate_degree", dp_replicate), ("tensor_parallel_degree", tp)):
-        if value < 1:
-            raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
-    others = dp_replicate * tp
-    if dp_shard == -1:
-        if world_size % others:
-            raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree = {others} "
-                f"does not divide the world size {world_size}"
-            )
-        dp_shard = world_size // others
-    if dp_shard < 1 or dp_replicate * dp_shard * tp != world_size:
+def _check_pipeline_flags(cfg: JobConfig) -> None:
+    """What pipelining cannot be combined with, and its micro-batches (the split needs the model's shape:
+    check_pipeline)."""
+    p = cfg.parallelism
+    check_microbatches(p, cfg.training.local_batch_size)
+    if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and cfg.training.compile:
         raise ConfigError(
-            f"parallelism: data_parallel_replicate_degree ({dp_replicate}) x data_parallel_shard_degree "
-            f"({dp_shard}) x tensor_parallel_degree ({tp}) must equal the world size {world_size}"
+            f"{PP}schedule {p.pipeline_parallel_schedule} splits each backward into input and weight gradients, "
+            "which torch does not run on compiled stages; drop --training.compile or use Interleaved1F1B"
         )
+    if cfg.profiling.saved_activations_report:
+        raise ConfigError(
+            "profiling.saved_activations_report measures one model's forward and backward; it does not run under "
+            f"pipeline parallelism ({PP}degree {p.pipeline_parallel_degree}): measure with the degree at 1"
+        )
+
+
+def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int, pp: int = 1) -> int:
+    """data_parallel_shard_degree for this world size (-1 = the rest); ConfigError unless the degrees multiply to
+    the world size. ParallelDims and check_world both call this. The degrees are named in the mesh's order
+    (pipeline, replicate, shard, tensor); the pipeline degree only where it is on."""
+    degrees = {"pipeline_parallel_degree": pp, "data_parallel_replicate_degree": dp_replicate}
+    degrees |= {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp}
+    for name, value in degrees.items():
+        if value < 1 and name != "data_parallel_shard_degree":
+            raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
+    if pp == 1:
+        del degrees["pipeline_parallel_degree"]
+    others = {k: v for k, v in degrees.items() if k != "data_parallel_shard_degree"}
+    product = math.prod(others.values())
+    if dp_shard == -1:
+        if world_size % product:
+            raise ConfigError(
+                f"parallelism: {' x '.join(others)} = {product} does not divide the world size {world_size}"
+            )
+        dp_shard = degrees["data_parallel_shard_degree"] = world_size // product
+    if dp_shard < 1 or product * dp_shard != world_size:
+        named = " x ".join(f"{k} ({v})" for k, v in degrees.items())
+        raise ConfigError(f"parallelism: {named} must equal the world size {world_size}")
     return dp_shard
 
 
@@ -163,7 +197,9 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
     sequence parallel splits every sequence. run_train.sh runs it before torchrun starts a rank; ParallelDims too."""
     p = cfg.parallelism
     tp = p.tensor_parallel_degree
-    dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size)
+    dp_shard = resolve_dp_shard(
+        p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, p.pipeline_parallel_degree
+    )
     grad_accum_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard)
     if cfg.training.seq_len % tp:  # sequence parallel splits every sequence into tp pieces
         raise ConfigError(
@@ -185,6 +221,7 @@ class ModelShape:
     n_kv_heads: int  # n_heads when the flavor has plain multi-head attention
     ffn_hidden_dim: int
     vocab_size: int
+    tied_embeddings: bool = False  # the output layer shares the embedding table (Llama 3.2 1B, 3B)
 
 
 SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
@@ -246,6 +283,7 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
     ):
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")
+    check_pipeline(cfg, shape)
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     if p.enable_async_tensor_parallel:
         if device_type != "cuda":
@@ -269,6 +307,184 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             + " fails in the first forward on CPU (a torch bug, docs/parallelisms.md); use activation_checkpoint"
             ".mode none or selective_ac_option op, or drop --training.compile"
         )
+
+
+# ----------------------------------------------------------------------------- the pipeline split
+
+PP = "parallelism.pipeline_parallel_"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The model cut into pipeline stages (torchtitan's split), and which ranks of a pipeline group run which."""
+
+    stages: tuple[tuple[str, ...], ...]  # each stage's modules (tok_embeddings, layers.N, norm, output), in order
+    degree: int  # ranks in a pipeline group
+    schedule: str  # a PP_SCHEDULES name
+    microbatches: int  # per schedule step: local batch / micro-batch size
+
+    @property
+    def stages_per_rank(self) -> int:
+        return len(self.stages) // self.degree
+
+    def stage_ids(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages rank `pp_rank` of the pipeline group runs: s, s + degree, ... (looped), or r and
+        2 x degree - 1 - r (V: the first and the last stage share rank 0)."""
+        n = len(self.stages)
+        if PP_SCHEDULES[self.schedule] == "v":
+            return (pp_rank, n - 1 - pp_rank)
+        return tuple(range(pp_rank, n, self.degree))
+
+
+def whole_model_modules(n_layers: int) -> list[str]:
+    """The modules a pipeline splits, in the order the model runs them."""
+    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+
+
+def _auto_stages(n_stages: int, n_layers: int, first_less: int, last_less: int, why: str) -> list[list[str]]:
+    """torchtitan's split (generate_llm_fqn_per_model_part, v0.2.2): the embedding counts as `first_less` blocks and
+    norm + output as `last_less`, the stages share the blocks evenly and the first stages take one more each."""
+    effective = n_layers + first_less + last_less
+    if n_stages > effective:
+        raise ConfigError(
+            f"{why} asks for {n_stages} stages, but the model has {n_layers} blocks (+ {first_less} + {last_less} for "
+            f"the embedding and the output: {PP}first/last_stage_less_layers): at most {effective} stages"
+        )
+    per, extra = divmod(effective, n_stages)
+    for key, less in (("first_stage_less_layers", first_less), ("last_stage_less_layers", last_less)):
+        if less > per:
+            raise ConfigError(
+                f"{PP}{key} ({less}) exceeds the {per} blocks of the smallest of the {n_stages} stages ({why}); "
+                f"lower it to {per} or less"
+            )
+    stages, layer = [], 0
+    for i in range(n_stages):
+        size = per + (i < extra) - (first_less if i == 0 else 0) - (last_less if i == n_stages - 1 else 0)
+        if n_stages == 1:
+            size = n_layers
+        blocks = [f"layers.{j}" for j in range(layer, min(n_layers, layer + size))]
+        layer += len(blocks)
+        head, tail = ["tok_embeddings"] if i == 0 else [], ["norm", "output"] if i == n_stages - 1 else []
+        stages.append(head + blocks + tail)
+    return stages
+
+
+def _split_point_stages(points: list[str], n_layers: int) -> list[list[str]]:
+    """torchtitan v0.1.0's split points: each names the block that begins a stage."""
+    ids = []
+    for point in points:
+        head, _, tail = point.partition(".")
+        if head != "layers" or not tail.isdigit() or not 0 < int(tail) < n_layers:
+            raise ConfigError(
+                f"{PP}split_points: '{point}' is not a block that can begin a stage; name layers.1 .. "
+                f"layers.{n_layers - 1} (the model has {n_layers} blocks)"
+            )
+        ids.append(int(tail))
+    if ids != sorted(set(ids)):
+        raise ConfigError(f"{PP}split_points {','.join(points)}: name each block once, in increasing order")
+    bounds = [0, *ids, n_layers]
+    stages = [[f"layers.{j}" for j in range(a, b)] for a, b in zip(bounds, bounds[1:], strict=False)]
+    stages[0].insert(0, "tok_embeddings")
+    stages[-1] += ["norm", "output"]
+    return stages
+
+
+def _check_model_parts(parts: list[list[str]], n_layers: int) -> list[list[str]]:
+    """module_fqns_per_model_part: every module of the model exactly once, in the order the model runs them."""
+    key = "parallelism.module_fqns_per_model_part"
+    if any(not part for part in parts):
+        raise ConfigError(f"{key}: stage {next(i for i, p in enumerate(parts) if not p)} lists no module")
+    flat, whole = [m for part in parts for m in part], whole_model_modules(n_layers)
+    if flat != whole:
+        wrong = next((f"'{a}' where '{b}' comes" for a, b in zip(flat, whole, strict=False) if a != b), None)
+        wrong = wrong or (f"{len(flat)} modules for {len(whole)}")
+        raise ConfigError(
+            f"{key}: the stages must list tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output once each, "
+            f"in this order (the model has {n_layers} blocks); found {wrong}"
+        )
+    return parts
+
+
+def check_microbatches(p: Parallelism, local_batch_size: int) -> int:
+    """The micro-batches of one schedule step: local batch / micro-batch size, as the schedule can run them."""
+    mbs, name, degree = p.pipeline_parallel_microbatch_size, p.pipeline_parallel_schedule, p.pipeline_parallel_degree
+    if local_batch_size % mbs:
+        raise ConfigError(
+            f"training.local_batch_size ({local_batch_size}) must be a multiple of {PP}microbatch_size ({mbs}): "
+            "the pipeline splits each local batch into micro-batches of that size"
+        )
+    n = local_batch_size // mbs
+    have = f"training.local_batch_size {local_batch_size} / {PP}microbatch_size {mbs} = {n} micro-batches"
+    if name == "1F1B" and n < degree:  # torch's Schedule1F1B refuses fewer micro-batches than stages
+        raise ConfigError(f"{PP}schedule 1F1B needs at least {degree} micro-batches (one per stage); {have}")
+    rounds = max(1, n // degree)
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
+        raise ConfigError(
+            f"{PP}schedule {name} runs micro-batches in rounds of {degree} (the degree): {have}, not a multiple of "
+            f"the {rounds} rounds; use a multiple of {degree}, or fewer than {2 * degree}"
+        )
+    return n
+
+
+def pipeline_plan(p: Parallelism, local_batch_size: int, n_layers: int) -> PipelinePlan:
+    """The stages (from module_fqns_per_model_part, split_points, layers_per_stage or the schedule's default: one
+    stage per rank, two for looped and V schedules), checked against the degree and the schedule."""
+    degree, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
+    kind = PP_SCHEDULES[name]
+    lps, first, last = (
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_first_stage_less_layers,
+        p.pipeline_parallel_last_stage_less_layers,
+    )
+    given = [
+        key
+        for key, on in (
+            ("parallelism.module_fqns_per_model_part", p.module_fqns_per_model_part is not None),
+            (f"{PP}split_points", bool(p.pipeline_parallel_split_points)),
+            (f"{PP}layers_per_stage", lps is not None),
+        )
+        if on
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} each say how to split the model; set one of them")
+    if p.module_fqns_per_model_part is not None:
+        why = "parallelism.module_fqns_per_model_part"
+        stages = _check_model_parts(p.module_fqns_per_model_part, n_layers)
+    elif p.pipeline_parallel_split_points:
+        stages, why = _split_point_stages(p.pipeline_parallel_split_points, n_layers), f"{PP}split_points"
+    elif lps is not None:
+        n_stages = math.ceil((n_layers + first + last) / lps)
+        why = f"{PP}layers_per_stage {lps} (ceil(({n_layers} blocks + {first} + {last}) / {lps}) = {n_stages} stages)"
+        stages = _auto_stages(n_stages, n_layers, first, last, why)
+    else:
+        per_rank = 1 if kind == "single" else 2
+        why = f"{PP}degree {degree} with schedule {name} ({per_rank} stage{'s' * (per_rank > 1)} per rank)"
+        stages = _auto_stages(degree * per_rank, n_layers, first, last, why)
+    n = len(stages)
+    if n % degree:
+        raise ConfigError(f"{why}: {n} stages do not divide over {PP}degree {degree} ranks; make it a multiple")
+    per_rank = n // degree
+    wants = {"single": (1, "exactly 1"), "looped": (2, "at least 2"), "v": (2, "exactly 2")}[kind]
+    if per_rank != wants[0] and not (kind == "looped" and per_rank > 2):
+        raise ConfigError(
+            f"{PP}schedule {name} runs {wants[1]} stage{'s' * (wants[0] > 1)} per rank, but {why} gives {n} stages "
+            f"for {degree} ranks ({per_rank} per rank); "
+            + ("use Interleaved1F1B for several per rank" if kind == "single" else "split into more stages")
+        )
+    return PipelinePlan(tuple(tuple(s) for s in stages), degree, name, check_microbatches(p, local_batch_size))
+
+
+def check_pipeline(cfg: JobConfig, shape: ModelShape) -> PipelinePlan | None:
+    """With pipelining on: the split of this shape's blocks into stages, or ConfigError; None when it is off."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1:
+        return None
+    if shape.tied_embeddings:
+        raise ConfigError(
+            f"{PP}degree {p.pipeline_parallel_degree}: this model ties its output layer to the embedding table "
+            "(Llama 3.2), which a pipeline puts on different stages; train it without pipeline parallelism"
+        )
+    return pipeline_plan(p, cfg.training.local_batch_size, shape.n_layers)
 
 
 # ----------------------------------------------------------------------------- float8 and the machine

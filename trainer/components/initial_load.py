@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,13 @@ def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_initial(source: InitialSource, model: nn.Module) -> None:
-    """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not)."""
+def load_initial(
+    source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None = None
+) -> None:
+    """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not, a pipeline
+    rank's stages: `held_elsewhere` names the weights other stages load)."""
     t0 = time.perf_counter()
+    elsewhere = dict(held_elsewhere or {})
     targets = _model_targets(model)
     where = f"{KEY} {source.path}"
     tied = source.args.tie_word_embeddings
@@ -114,15 +119,16 @@ def load_initial(source: InitialSource, model: nn.Module) -> None:
             if name == "output.weight" and tied:
                 continue  # a tied model's lm_head copy (some exports write it): HF ties it to the embedding
             target = targets.get(name)
-            if target is None:
+            if target is None and name not in elsewhere:
                 raise CheckpointError(f"{where} has weight '{name}', which this model lacks")
-            if tuple(full.shape) != tuple(target.shape):
-                raise CheckpointError(
-                    f"{where}: '{name}' has shape {tuple(full.shape)} there but {tuple(target.shape)} in this model"
-                )
-            _fill(target, full.to(target.device))
+            shape = tuple(target.shape) if target is not None else elsewhere[name]
+            if tuple(full.shape) != shape:
+                got = tuple(full.shape)
+                raise CheckpointError(f"{where}: '{name}' has shape {got} there but {shape} in this model")
+            if target is not None:
+                _fill(target, full.to(target.device))
             seen.add(name)
-        missing = sorted(set(targets) - seen - ({"output.weight"} if tied else set()))
+        missing = sorted((set(targets) | set(elsewhere)) - seen - ({"output.weight"} if tied else set()))
         if missing:
             raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
     else:
@@ -132,7 +138,7 @@ def load_initial(source: InitialSource, model: nn.Module) -> None:
         from trainer.components.checkpoint_reader import SafeFileSystemReader
 
         md = read_metadata(source.path)
-        check_matches(source.path, targets, md, weights_only=True)
+        check_matches(source.path, targets, md, weights_only=True, held_elsewhere=elsewhere)
         dcp.load(targets, storage_reader=SafeFileSystemReader(source.path, md))
     set_model_state_dict(model, dict(targets))  # a fresh dict[str, Any]: the API's value type is wider
     logger.info(
