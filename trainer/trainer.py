@@ -233,6 +233,7 @@ class Trainer:
             self.nan_guard,
             self._global_mean_loss,
             self.losses,
+            self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:
