@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,12 +59,13 @@ class StagedModel(nn.Module):
     modules and parameters; the schedule runs the stages, so it has no forward. The stage models themselves
     (FSDP's roots, each with its RoPE table) are `parts`, in stage order."""
 
-    def __init__(self, parts: Sequence[Transformer]) -> None:
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
-        self.model_args = parts[0].model_args
+        self.model_args = getattr(parts[0], "model_args")  # noqa: B009 (nn.Module types attributes as tensors)
         for name in ROOT_MODULES:
             setattr(self, name, next((getattr(p, name) for p in parts if getattr(p, name) is not None), None))
-        self.layers = nn.ModuleDict({k: block for p in parts for k, block in p.layers.items()})
+        blocks = [cast(nn.ModuleDict, p.get_submodule("layers")) for p in parts]
+        self.layers = nn.ModuleDict({k: block for layers in blocks for k, block in layers.items()})
         self.parts = list(parts)  # a plain list: not registered again (their modules are, above)
 
     def forward(self, *args: Any) -> None:

@@ -148,6 +148,14 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
             f"{PP}schedule {p.pipeline_parallel_schedule} splits each backward into input and weight gradients, "
             "which torch does not run on compiled stages; drop --training.compile or use Interleaved1F1B"
         )
+    ac = cfg.activation_checkpoint
+    if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and ac.mode == "selective" and ac.selective_ac_option == "op":
+        # Measured: torch's selective checkpoint refuses the second backward ("Trying to backward an extra time").
+        raise ConfigError(
+            f"{PP}schedule {p.pipeline_parallel_schedule} runs each block's backward twice (input, then weight "
+            "gradients), which per-op selective activation checkpointing refuses; use activation_checkpoint.mode "
+            "full or none, selective_ac_option N, or Interleaved1F1B"
+        )
     if cfg.profiling.saved_activations_report:
         raise ConfigError(
             "profiling.saved_activations_report measures one model's forward and backward; it does not run under "
