@@ -148,6 +148,13 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
             f"{PP}schedule {p.pipeline_parallel_schedule} splits each backward into input and weight gradients, "
             "which torch does not run on compiled stages; drop --training.compile or use Interleaved1F1B"
         )
+    f8, tokens = cfg.float8, p.pipeline_parallel_microbatch_size * cfg.training.seq_len
+    if f8.enable_float8_linear and f8.is_mxfp8 and tokens % MXFP8_BLOCK:
+        raise ConfigError(
+            f"float8.recipe_name {f8.recipe}: the weight-gradient GEMM scales blocks of {MXFP8_BLOCK} tokens of each "
+            f"pipeline micro-batch, but {PP}microbatch_size x training.seq_len = {tokens}; make it a multiple of "
+            f"{MXFP8_BLOCK}"
+        )
     ac = cfg.activation_checkpoint
     if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and ac.mode == "selective" and ac.selective_ac_option == "op":
         # Measured: torch's selective checkpoint refuses the second backward ("Trying to backward an extra time").

@@ -1,6 +1,6 @@
-"""Every pair of (precision, layout, activation checkpointing, compile) values trained end to end.
+"""Every pair of (precision, layout, activation checkpointing, compile, pipeline) values trained end to end.
 
-The axes are what a user combines on the command line. Testing every combination (5 x 5 x 3 x 2 = 150 runs)
+The axes are what a user combines on the command line. Testing every combination (5 x 5 x 3 x 2 x 3 = 450 runs)
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
 construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
@@ -63,7 +63,15 @@ ACS: dict[str, tuple[str, ...]] = {
     "op": (f"{AC}mode", "selective", f"{AC}selective_ac_option", "op"),
 }
 COMPILES: dict[str, tuple[str, ...]] = {"eager": (), "compile": ("--training.compile",)}
-AXES = {"precision": PRECISIONS, "layout": LAYOUTS, "ac": ACS, "compile": COMPILES}
+# Pipeline parallelism multiplies the layout's world by its degree (the pipeline's ranks are the outermost mesh
+# dimension): 1F1B holds one stage per rank, Interleaved1F1B two (here [embedding], [block 0], [block 1], [norm +
+# output] over 2 ranks). name -> (degree, arguments)
+PIPELINES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "off": (1, ()),
+    "1F1B": (2, (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "1F1B")),
+    "Interleaved1F1B": (2, (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "Interleaved1F1B")),
+}
+AXES = {"precision": PRECISIONS, "layout": LAYOUTS, "ac": ACS, "compile": COMPILES, "pp": PIPELINES}
 
 GLOBAL_BATCH, STEPS = 4, 4
 # Every cell sees the same global batches (the sample order is global): local batch = 4 / data-parallel degree.
@@ -81,22 +89,31 @@ class Cell:
     layout: str
     ac: str
     compile: str
+    pp: str = "off"
 
     @property
     def id(self) -> str:
-        return f"{self.precision}-{self.layout}-{self.ac}-{self.compile}"
+        return f"{self.precision}-{self.layout}-{self.ac}-{self.compile}" + ("" if self.pp == "off" else f"-{self.pp}")
 
     @property
     def world_size(self) -> int:
-        return LAYOUTS[self.layout][0]
+        return LAYOUTS[self.layout][0] * PIPELINES[self.pp][0]
 
     @property
     def dp_degree(self) -> int:
         return {"1rank": 1, "fsdp2": 2, "tp2": 1, "fsdp2xtp2": 2, "hsdp2x2": 4}[self.layout]
 
     def argv(self, dump_folder: str) -> list[str]:
-        local_batch = ("--training.local_batch_size", str(GLOBAL_BATCH // self.dp_degree))
+        # A pipeline wants a micro-batch per stage at least (1F1B): HSDP 2 x 2 under PP 2 takes a global batch of 8.
+        local = max(GLOBAL_BATCH // self.dp_degree, PIPELINES[self.pp][0])
+        local_batch = (
+            "--training.local_batch_size",
+            str(local),
+            "--training.global_batch_size",
+            str(local * self.dp_degree),
+        )
         extra = (*PRECISIONS[self.precision], *LAYOUTS[self.layout][1], *ACS[self.ac], *COMPILES[self.compile])
+        extra += PIPELINES[self.pp][1]
         return [*COMMON, *local_batch, *extra, "--job.dump_folder", dump_folder]
 
 
@@ -123,7 +140,7 @@ def excluded(cell: Cell) -> str | None:
 
 
 def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
-    values = list(zip(AXES, (cell.precision, cell.layout, cell.ac, cell.compile), strict=True))
+    values = list(zip(AXES, (cell.precision, cell.layout, cell.ac, cell.compile, cell.pp), strict=True))
     return set(itertools.combinations(values, 2))
 
 
@@ -146,7 +163,7 @@ def covering_cells() -> list[Cell]:
     cells: list[Cell] = []
     while uncovered:
         useful = [c for c in candidates if _pairs(c) & uncovered]
-        best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - 0.03 * _cost(c), -_cost(c)))
+        best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - 0.05 * _cost(c), -_cost(c)))
         cells.append(best)
         uncovered -= _pairs(best)
     return sorted(cells, key=lambda c: (c.world_size, c.compile, c.id))
@@ -155,14 +172,15 @@ def covering_cells() -> list[Cell]:
 CELLS = covering_cells()
 
 
-def reference(layout: str) -> Cell:
-    """The float8-off, no-AC, eager run of a layout: same initial weights and batches as the layout's cells.
+def reference(layout: str, pp: str = "off") -> Cell:
+    """The float8-off, no-AC, eager run of a layout (and pipeline): same initial weights and batches as its cells.
 
     Not one reference for all layouts: on a CPU mesh each rank draws its shard of the initial weights from its
     own generator, so the initial weights differ by layout (step-1 losses 8.434 one process, 8.294 FSDP 2,
-    8.311 TP 2 on the same batch). Parity of layouts from equal weights is tests/parallelisms/test_parallelisms.py's.
+    8.311 TP 2 on the same batch). Parity of layouts from equal weights is tests/parallelisms/test_parallelisms.py's
+    (and tests/e2e/test_pipeline.py's for the pipeline schedules).
     """
-    return Cell("bf16", layout, "none", "eager")
+    return Cell("bf16", layout, "none", "eager", pp)
 
 
 # ----------------------------------------------------------------------------- running cells
@@ -209,7 +227,7 @@ def _selected_cells(session: pytest.Session) -> set[Cell]:
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Results by cell id; each world size's selected cells run in one spawned group, once, when first asked."""
     selected = _selected_cells(request.session)
-    selected |= {reference(c.layout) for c in selected}
+    selected |= {reference(c.layout, c.pp) for c in selected}
     done: dict[int, dict[str, dict[str, Any]]] = {}
 
     def get(cell: Cell) -> dict[str, Any]:
@@ -252,7 +270,7 @@ def _check_trains(cell: Cell, result: dict[str, Any], ref: dict[str, Any]) -> No
 @pytest.mark.distributed
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
 def test_cell(cell: Cell, results: Any) -> None:
-    _check_trains(cell, results(cell), results(reference(cell.layout)))
+    _check_trains(cell, results(cell), results(reference(cell.layout, cell.pp)))
 
 
 def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -263,7 +281,8 @@ def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     from models import LLAMA3_FLAVORS
 
     refused = [c for c in all_cells() if excluded(c) and "refused" in excluded(c)]
-    assert len(refused) == 4 + 5  # tp2 (no float8 all-gather there) and fsdp2xtp2, each with layer AC + compile
+    # tp2 (no float8 all-gather there) and fsdp2xtp2, each with layer AC + compile, with and without a pipeline
+    assert len(refused) == (4 + 5) * len(PIPELINES)
     for cell in refused:
         cfg = parse_args(cell.argv(str(tmp_path)))
         with pytest.raises(ConfigError, match="fails in"):
@@ -293,12 +312,12 @@ def test_cells_cover_every_pair_of_axis_values() -> None:
 def composition_table() -> str:
     """The markdown table in docs/parallelisms.md: every cell run here, then the combinations excluded."""
     rows = [
-        "| precision | layout | AC | compile | status (CPU, gloo) |",
-        "| --- | --- | --- | --- | --- |",
+        "| precision | layout | AC | compile | pipeline | status (CPU, gloo) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for c in CELLS:
         test_id = f"`test_composition.py::test_cell[{c.id}]`"
-        rows.append(f"| {c.precision} | {c.layout} | {c.ac} | {c.compile} | tested: {test_id} |")
+        rows.append(f"| {c.precision} | {c.layout} | {c.ac} | {c.compile} | {c.pp} | tested: {test_id} |")
     for match, reason in EXCLUDED:
         axes = [", ".join(match.get(axis, ("any",))) for axis in AXES]
         rows.append(f"| {' | '.join(axes)} | {reason} |")

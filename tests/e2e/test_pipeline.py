@@ -43,6 +43,7 @@ COMMON = [
     *("--activation_checkpoint.mode", "none", "--checkpoint.interval", "2"),
 ]
 CKPT = ("--checkpoint.enable_checkpoint",)
+MXFP8 = ("--float8.enable_float8_linear", "--float8.recipe_name", "mxfp8_rceil", "--float8.emulate")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 SCHEDULES = list(PP_SCHEDULES)
 
@@ -131,6 +132,7 @@ def _pipeline_group(folder: str, one_rank_step2: str) -> dict[str, Any]:
         out["changed_seq_len"] = {"refused": str(e)}
     f8 = ("--float8.enable_float8_linear", "--float8.emulate", "--float8.numerics_log_freq", "2")
     run("numerics", *f8)
+    run("mxfp8", *MXFP8)
     logging.getLogger("kiln").removeHandler(records)
     buffer = io.BytesIO()  # tensors through the result queue would be shared memory of a process about to exit
     torch.save(out, buffer)
@@ -154,7 +156,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     shutil.copytree(folder / "pp" / "1F1B" / "checkpoint" / "step-2", folder / "one_from_pp" / "checkpoint" / "step-2")
     moved, _ = _one_rank(folder / "one_from_pp", *CKPT)
-    return {"one": {"losses": one_losses, "grads": one_grads}, "ranks": ranks, "one_from_pp": moved, "dir": folder}
+    mxfp8, _ = _one_rank(folder / "one_mxfp8", *MXFP8)
+    one = {"losses": one_losses, "grads": one_grads}
+    return {"one": one, "ranks": ranks, "one_from_pp": moved, "one_mxfp8": mxfp8, "dir": folder}
 
 
 def _merged(runs: dict[str, Any], name: str, key: str) -> Any:
@@ -223,6 +227,15 @@ def test_float8_check_and_numerics_cover_both_stages(runs: dict[str, Any]) -> No
         path = runs["dir"] / "pp" / "numerics" / "float8_numerics" / f"rank_{rank}.jsonl"
         layers[rank] = {json.loads(line)["layer"].split(".")[1] for line in path.read_text().splitlines()}
     assert layers == {0: {"0"}, 1: {"1"}}  # each rank records its own stage's blocks
+
+
+def test_mxfp8_emulated_matches_one_process(runs: dict[str, Any]) -> None:
+    """MXFP8 scales 32-element blocks; a pipeline micro-batch of 32 tokens keeps the one-process blocks."""
+    losses = _merged(runs, "mxfp8", "losses")
+    assert losses != _merged(runs, "1F1B", "losses")  # float8 rounding: not the high-precision run
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one_mxfp8"]), rtol=1e-5, atol=0)
+    lines = runs["ranks"][0]["mxfp8"]["lines"]
+    assert any(line.startswith("float8 in use: emulated MXFP8 matmuls in the first step") for line in lines), lines
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,12 @@ LAUNCHER_MISTAKES = [
         "which per-op selective activation checkpointing refuses",
     ),
     ([f"{PP}degree", "2", "--profiling.saved_activations_report"], 2, "does not run under pipeline parallelism"),
+    (
+        [f"{PP}degree", "2", "--float8.enable_float8_linear", "--float8.recipe_name", "mxfp8_rceil", "--float8.emulate"]
+        + ["--training.seq_len", "48", "--training.local_batch_size", "4"],
+        2,
+        "microbatch_size x training.seq_len = 48; make it a multiple of 32",
+    ),
     ([f"{PP}schedule", "DualPipeV"], 2, "DualPipeV overlaps expert-parallel communication (MoE)"),
     ([f"{PP}schedule_csv", "my.csv"], 2, "schedules from a CSV file are not supported"),
 ]

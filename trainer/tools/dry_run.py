@@ -273,7 +273,7 @@ def _pipeline_lines(
         values = ", ".join(f"{k.split(' (')[0]} {v / 2**30:.2f}" for k, v in mem.items())
         lines.append(
             f"  pp rank {r:<3} stages {','.join(map(str, ids)):<8} {sum(mem.values()) / 2**30:9.2f} GiB "
-            f"({values} GiB; {share.in_flight} micro-batches in flight)"
+            f"({values} GiB; {share.in_flight} micro-batch{'es' * (share.in_flight > 1)} in flight)"
         )
     return lines
 
