@@ -41,9 +41,11 @@ from kiln_base.config import (
     check_overrides_match_stored,
     check_parallel_plan,
     check_pipeline,
+    check_pipeline_device,
     check_same_model,
     check_world,
 )
+from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
 from parallelisms.parallel_dims import ParallelDims
@@ -100,6 +102,7 @@ def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> Parallel
     check_world(cfg, world)
     check_parallel_plan(cfg, args.shape(), device_type)
     p = cfg.parallelism
+    check_pipeline_device(p, device_type, pipeline_warmup_sends_to_own_rank())
     dims = ParallelDims(
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,

@@ -502,6 +502,18 @@ def check_pipeline(cfg: JobConfig, shape: ModelShape) -> PipelinePlan | None:
     return pipeline_plan(p, cfg.training.local_batch_size, shape.n_layers)
 
 
+def check_pipeline_device(p: Parallelism, device_type: str, warmup_sends_to_own_rank: bool) -> None:
+    """The V schedule on a CPU needs a torch whose pipeline start-up sends nothing from a rank to itself
+    (`warmup_sends_to_own_rank`: kiln_base.internals.pipeline_warmup_sends_to_own_rank); each rank, at the mesh."""
+    v = p.pipeline_parallel_degree > 1 and PP_SCHEDULES[p.pipeline_parallel_schedule] == "v"
+    if v and device_type == "cpu" and warmup_sends_to_own_rank:
+        raise ConfigError(
+            f"{PP}schedule {p.pipeline_parallel_schedule}: this torch starts a pipeline by sending between the two "
+            "stages a rank holds in the V, which gloo (CPU) cannot (torch 2.13 does not send them); use "
+            "InterleavedZeroBubble or Interleaved1F1B on a CPU"
+        )
+
+
 # ----------------------------------------------------------------------------- float8 and the machine
 
 MIN_TORCHAO = (0, 18)  # Float8LinearConfig.from_recipe_name, fp32 output for rowwise, _auto_filter_for_recipe

@@ -5,8 +5,8 @@ One spawned group of 2 gloo ranks trains, through `parse_args` + `Trainer`, PP 2
 run's within 1e-5 relative, and every parameter's gradient after step 1 (gathered by name from both stages) the
 one-process gradient. The same group then checks, under 1F1B: resume from its own step-2 checkpoint (bitwise), a
 SIGTERM stop with its save and the resume from it (bitwise), a resume from the one-process run's step-2 (and the
-one process resumes from the pipeline's), the resume-change table (a handled and a refused change), and the float8
-numerics observatory's report of both stages.
+one process resumes from the pipeline's), the resume-change table (a handled and a refused change), initial weights
+from checkpoint.initial_load_path, the float8 first-step check and numerics observatory over both stages, and MXFP8.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln_base.config import PP_SCHEDULES
 from kiln_base.errors import CheckpointError, TrainingStopped
+from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from tests.helpers.common import DEBUG_CONFIG, ROOT, LogLines, open_trainer
 from tests.helpers.distributed import reopen_group, run_distributed
 from trainer.hooks import StepHook, StepOutput
@@ -45,7 +46,9 @@ COMMON = [
 CKPT = ("--checkpoint.enable_checkpoint",)
 MXFP8 = ("--float8.enable_float8_linear", "--float8.recipe_name", "mxfp8_rceil", "--float8.emulate")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
-SCHEDULES = list(PP_SCHEDULES)
+# torch 2.11 cannot start the V schedule on gloo (kiln refuses it there: kiln_base/config/checks.py
+# check_pipeline_device); the oldest-torch leg runs the others.
+SCHEDULES = [s for s in PP_SCHEDULES if PP_SCHEDULES[s] != "v" or not pipeline_warmup_sends_to_own_rank()]
 
 
 class GradsAtStep1(StepHook):
@@ -132,7 +135,12 @@ def _pipeline_group(folder: str, one_rank_step2: str) -> dict[str, Any]:
         out["changed_seq_len"] = {"refused": str(e)}
     f8 = ("--float8.enable_float8_linear", "--float8.emulate", "--float8.numerics_log_freq", "2")
     run("numerics", *f8)
-    run("mxfp8", *MXFP8)
+    try:
+        run("mxfp8", *MXFP8)
+    except AssertionError as e:  # torchao's MXFP8 needs a newer torch than 2.11 (the oldest-torch leg)
+        out["mxfp8"] = {"unsupported": str(e)}
+        reopen_group(next(stores))
+    run("initial_load", "--checkpoint.initial_load_path", f"{one_rank_step2}/checkpoint/step-2")
     logging.getLogger("kiln").removeHandler(records)
     buffer = io.BytesIO()  # tensors through the result queue would be shared memory of a process about to exit
     torch.save(out, buffer)
@@ -156,9 +164,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     shutil.copytree(folder / "pp" / "1F1B" / "checkpoint" / "step-2", folder / "one_from_pp" / "checkpoint" / "step-2")
     moved, _ = _one_rank(folder / "one_from_pp", *CKPT)
-    mxfp8, _ = _one_rank(folder / "one_mxfp8", *MXFP8)
+    mxfp8 = _one_rank(folder / "one_mxfp8", *MXFP8)[0] if "unsupported" not in ranks[0]["mxfp8"] else None
+    initial, _ = _one_rank(folder / "one_initial", "--checkpoint.initial_load_path", f"{folder}/one/checkpoint/step-2")
     one = {"losses": one_losses, "grads": one_grads}
-    return {"one": one, "ranks": ranks, "one_from_pp": moved, "one_mxfp8": mxfp8, "dir": folder}
+    more = {"one_mxfp8": mxfp8, "one_initial_load": initial}
+    return {"one": one, "ranks": ranks, "one_from_pp": moved, **more, "dir": folder}
 
 
 def _merged(runs: dict[str, Any], name: str, key: str) -> Any:
@@ -203,6 +213,13 @@ def test_checkpoints_move_between_pipeline_and_one_process(runs: dict[str, Any])
     torch.testing.assert_close(torch.tensor(runs["one_from_pp"]), torch.tensor(one[2:]), rtol=1e-5, atol=0)
 
 
+def test_initial_load_fills_each_stage(runs: dict[str, Any]) -> None:
+    """checkpoint.initial_load_path (one process's step-2, model only): each stage loads its part."""
+    losses = _merged(runs, "initial_load", "losses")
+    assert losses[0] < runs["one"]["losses"][0] - 0.2  # trained weights, not the seed's
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one_initial_load"]), rtol=1e-5, atol=0)
+
+
 def test_sigterm_saves_and_the_same_command_resumes(runs: dict[str, Any]) -> None:
     for r in runs["ranks"]:
         assert r["sigterm"]["losses"] == _merged(runs, "1F1B", "losses")[3:]  # resumed at step 4
@@ -231,6 +248,8 @@ def test_float8_check_and_numerics_cover_both_stages(runs: dict[str, Any]) -> No
 
 def test_mxfp8_emulated_matches_one_process(runs: dict[str, Any]) -> None:
     """MXFP8 scales 32-element blocks; a pipeline micro-batch of 32 tokens keeps the one-process blocks."""
+    if "unsupported" in runs["ranks"][0]["mxfp8"]:
+        pytest.skip(f"no MXFP8 training with this torch: {runs['ranks'][0]['mxfp8']['unsupported']}")
     losses = _merged(runs, "mxfp8", "losses")
     assert losses != _merged(runs, "1F1B", "losses")  # float8 rounding: not the high-precision run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one_mxfp8"]), rtol=1e-5, atol=0)

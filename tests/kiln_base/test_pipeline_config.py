@@ -199,3 +199,15 @@ def test_world_with_pipeline_and_every_other_degree() -> None:
     check_world(cfg, 8)  # pp 2 x dp 2 x tp 2; the data-parallel degree (2) excludes the pipeline's
     with pytest.raises(ConfigError, match=r"pipeline_parallel_degree \(2\) x data_parallel_replicate_degree"):
         check_world(cfg, 4)
+
+
+def test_v_schedule_on_cpu_needs_a_torch_that_does_not_send_to_its_own_rank() -> None:
+    from kiln_base.config import check_pipeline_device
+
+    p = Parallelism(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble")
+    with pytest.raises(ConfigError, match="ZBVZeroBubble: this torch starts a pipeline by sending between the two"):
+        check_pipeline_device(p, "cpu", warmup_sends_to_own_rank=True)
+    check_pipeline_device(p, "cpu", warmup_sends_to_own_rank=False)  # torch 2.13
+    check_pipeline_device(p, "cuda", warmup_sends_to_own_rank=True)  # not gloo
+    p.pipeline_parallel_schedule = "InterleavedZeroBubble"
+    check_pipeline_device(p, "cpu", warmup_sends_to_own_rank=True)  # no two stages of one rank are neighbours
