@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -255,6 +256,23 @@ def test_mxfp8_emulated_matches_one_process(runs: dict[str, Any]) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one_mxfp8"]), rtol=1e-5, atol=0)
     lines = runs["ranks"][0]["mxfp8"]["lines"]
     assert any(line.startswith("float8 in use: emulated MXFP8 matmuls in the first step") for line in lines), lines
+
+
+def test_run_train_sh_trains_a_pipeline(runs: dict[str, Any], tmp_path: Path) -> None:
+    """The launcher users run: NGPU=2, Interleaved1F1B over 2 ranks; rank 0 (a first-stage rank) logs the loss."""
+    env = {**os.environ, "NGPU": "2", "CONFIG_FILE": DEBUG_CONFIG}
+    args = [*COMMON[2:], *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    proc = subprocess.run(
+        ["bash", "run_train.sh", *args, "--job.dump_folder", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"\[rank0\]:.*step: +\d+  loss: +([\d.]+)", proc.stdout)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one"]["losses"]), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize(
