@@ -72,11 +72,6 @@ class StagedModel(nn.Module):
         raise RuntimeError("a pipeline's stages run through its schedule (Pipeline.step), not as one module")
 
 
-def model_parts(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP and the init treat as whole models: a pipeline rank's stage models, else the model."""
-    return list(model.parts) if isinstance(model, StagedModel) else [model]
-
-
 class Pipeline:
     """This rank's stages wrapped in torch's PipelineStage, and the schedule that runs them over the pipeline
     group: forward and backward of `plan.microbatches` micro-batches per `step`, gradients accumulated (not
