@@ -253,7 +253,8 @@ def test_mxfp8_emulated_matches_one_process(runs: dict[str, Any]) -> None:
         pytest.skip(f"no MXFP8 training with this torch: {runs['ranks'][0]['mxfp8']['unsupported']}")
     losses = _merged(runs, "mxfp8", "losses")
     assert losses != _merged(runs, "1F1B", "losses")  # float8 rounding: not the high-precision run
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one_mxfp8"]), rtol=1e-5, atol=0)
+    # Measured 8.9e-6 at step 4 (1e-7 at step 1): float8 rounding amplifies the micro-batches' reordered sums.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["one_mxfp8"]), rtol=5e-5, atol=0)
     lines = runs["ranks"][0]["mxfp8"]["lines"]
     assert any(line.startswith("float8 in use: emulated MXFP8 matmuls in the first step") for line in lines), lines
 
