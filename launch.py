@@ -1,7 +1,8 @@
 """The launcher behind run_train.sh: check the config for the whole world, then torchrun train.py on this node.
 
     CONFIG_FILE  TOML config (default: kiln's train_configs/debug_model.toml); --job.config_file in the arguments wins
-    NGPU         processes on this node (default: the visible GPUs, else one CPU rank)
+    NGPU         processes on this node (default: the visible GPUs, else one CPU rank; at most one per GPU, or 4 per
+                 CPU core on a node without GPUs)
     LOG_RANK     local ranks whose output each node shows; the same numbers as global ranks log metrics (default: 0)
     MAX_RESTARTS torchrun's --max-restarts: how often a failed job (a lost node) restarts all ranks (default: 0)
 
@@ -19,8 +20,9 @@ The config is checked for NNODES x NGPU ranks on every node before torchrun star
 
 Every user mistake ends with exit status 2 and one line `kiln: error: ...` on stderr:
 
-- what the config and NGPU decide, and the files read first (tokenizer, dataset name, a local dataset's first
-  record), are checked here before any rank starts (train.check_config: no torch, instant);
+- what the config and NGPU decide, the files read first (tokenizer, dataset name, a local dataset's first
+  record) and the model the ranks would build (its shape from every source, the TP plan, on a CPU node the memory)
+  are checked here before any rank starts (train.check_config);
 - what only a rank can find (a checkpoint of another model, a dataset too small for one sequence) the rank
   appends as one line to KILN_ERROR_FILE before it exits 2 (kiln_base.errors.report); torchrun then fails, and
   this launcher prints that line in place of torchrun's report (a log line per failed rank and a ChildFailedError
@@ -83,14 +85,29 @@ class QuietAfterUserError:
         return getattr(self._stream, name)
 
 
-def _nproc(value: str | None) -> int:
-    if value is None or value == "":
-        import torch  # only to count GPUs; torchrun imports it anyway
+CPU_RANKS_PER_CORE = 4  # oversubscribed CPU ranks still make progress (the 2-core CI runs 4); more only thrash
 
-        return torch.cuda.device_count() or 1
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"NGPU must be a positive integer (processes on this node), got '{value}'")
-    return int(value)
+
+def _nproc(value: str | None) -> int:
+    """NGPU: ranks on this node, at most one per GPU, or on a node without GPUs CPU_RANKS_PER_CORE per core
+    (every rank is a process with its pipes and threads: NGPU=100000 once forked until the node ran out of files)."""
+    import torch  # only to count GPUs; torchrun imports it anyway
+
+    gpus = torch.cuda.device_count()
+    if value is None or value == "":
+        return gpus or 1
+    digits, shown = value.lstrip("0"), value if len(value) <= 20 else value[:17] + "..."
+    if not value.isdigit() or not digits:
+        raise ValueError(f"NGPU must be a positive integer (processes on this node), got '{shown}'")
+    n, cores = int(digits) if len(digits) <= 18 else 10**18, os.cpu_count() or 1  # int() refuses 4300+ digits
+    if gpus and n > gpus:
+        raise ValueError(f"NGPU={shown}: this node has {gpus} GPU(s); run at most one rank per GPU")
+    if not gpus and n > CPU_RANKS_PER_CORE * cores:
+        raise ValueError(
+            f"NGPU={shown}: this node has no GPU and {cores} CPU core(s); kiln starts at most "
+            f"{CPU_RANKS_PER_CORE * cores} CPU ranks ({CPU_RANKS_PER_CORE} a core)"
+        )
+    return n
 
 
 def _count(env: Mapping[str, str], name: str, default: int, minimum: int, what: str) -> int:
@@ -219,7 +236,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         return USER_ERROR
     # CONFIG_FILE first: parse_args takes the last --job.config_file, so one in argv wins.
     args = ["--job.config_file", os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG, *argv]
-    cfg = train.check_config(args, world_size=nodes.nnodes * nproc)  # every node checks the whole world
+    cfg = train.check_config(args, world_size=nodes.nnodes * nproc, local_ranks=nproc)  # every node: the whole world
     if cfg is None:
         return USER_ERROR
     if nodes.nnodes > 1:

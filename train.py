@@ -21,10 +21,12 @@ def _setup_logging() -> None:
     )
 
 
-def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | None:
-    """Validate the config and the files it names first (no torch, instant): run_train.sh calls it before
-    torchrun, so a mistake is one line before any rank starts. With the world size (the launcher knows NGPU) the
-    parallel degrees and the global batch are checked too. Returns the config, or None after printing the mistake."""
+def check_config(argv: list[str], world_size: int | None = None, local_ranks: int = 1) -> JobConfig | None:
+    """Validate the config, the files it names and the model it builds before any rank starts: run_train.sh calls
+    it before torchrun, so a mistake is one line before any rank imports anything. With the world size (the
+    launcher knows NGPU; `local_ranks` of them on this node) the parallel degrees, the global batch, the model's
+    shape from every source (flavor + model.*, config.json, kiln.json), the TP plan, the pipeline split and, on a
+    CPU node, the memory the ranks need are checked too. Returns the config, or None after printing the mistake."""
     from kiln_base.config import check_world, parse_args
     from kiln_base.errors import UserError, say
 
@@ -36,9 +38,10 @@ def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | 
         if not cfg.job.dry_run:  # the dry run simulates its own world and plans for files that may be elsewhere
             if world_size is not None:
                 check_world(cfg, world_size)
-                check_pipeline_split(cfg)
             if not cfg.job.print_config:
-                check_inputs(cfg)
+                words = check_inputs(cfg)
+                if world_size is not None:
+                    check_model(cfg, words, world_size, local_ranks)
     except UserError as e:
         say(e.line())
         return None
@@ -47,31 +50,41 @@ def check_config(argv: list[str], world_size: int | None = None) -> JobConfig | 
     return cfg
 
 
-def check_pipeline_split(cfg: JobConfig) -> None:
-    """With pipeline parallelism on, the split of the flavor's blocks (with model.n_layers) into stages, before any
-    rank starts. It reads the flavor table in models/, whose package imports torch: a few seconds, paid only with
-    pipelining on. A shape stored with checkpoint.initial_load_path (from_checkpoint) is checked by the ranks."""
-    from kiln_base.config import FROM_CHECKPOINT, SHAPE_OVERRIDES, check_pipeline
-
-    if cfg.parallelism.pipeline_parallel_degree == 1 or cfg.model.flavor == FROM_CHECKPOINT:
-        return
-    import dataclasses
-
-    from models import LLAMA3_FLAVORS
-
-    overrides = {key: getattr(cfg.model, key) for key in SHAPE_OVERRIDES if getattr(cfg.model, key) is not None}
-    check_pipeline(cfg, dataclasses.replace(LLAMA3_FLAVORS[cfg.model.flavor], **overrides).shape())
-
-
-def check_inputs(cfg: JobConfig) -> None:
+def check_inputs(cfg: JobConfig) -> int:
     """The files a run reads first, without torch (instant): the tokenizer parses, the dataset is registered and
     its local files start with a good record. Before torchrun (launch.py) and before a rank imports torch; the
-    Trainer meets the same errors through the same functions when built directly."""
+    Trainer meets the same errors through the same functions when built directly. Returns the tokenizer's size."""
     from trainer.components.data_sources import check_data_source
     from trainer.components.tokenizer import load_tokenizer
 
-    load_tokenizer(cfg.model.tokenizer_path)
+    words = load_tokenizer(cfg.model.tokenizer_path).n_words
     check_data_source(cfg.training)
+    if cfg.validation.enable:
+        check_data_source(cfg.validation)
+    return words
+
+
+def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ranks: int) -> None:
+    """The launcher's copy of what each rank checks before it builds (trainer/build.py, the same functions): the
+    shape from every source, the tensor-parallel plan and the pipeline split for it, and on a CPU node that the
+    model (each pipeline rank's stages) fits the RAM the node's ranks share (on CUDA each rank checks its GPU: the
+    launcher holds no CUDA context)."""
+    import torch
+
+    from kiln_base.config import check_parallel_plan, resolve_dp_shard
+    from trainer import build
+    from trainer.components.initial_load import open_source
+
+    path = cfg.checkpoint.initial_load_path
+    args = build.model_args(cfg.model, cfg.training.seq_len, tokenizer_words, open_source(path) if path else None)
+    gpus = torch.cuda.device_count()
+    check_parallel_plan(cfg, args.shape(), "cuda" if gpus else "cpu")
+    if not gpus:
+        p = cfg.parallelism
+        tp = p.tensor_parallel_degree
+        dp, pp = p.data_parallel_replicate_degree, p.pipeline_parallel_degree
+        dp_shard = resolve_dp_shard(dp, p.data_parallel_shard_degree, tp, world_size, pp)
+        build.check_fits(cfg, args, dp_shard * tp, local_ranks, torch.device("cpu"))
 
 
 def exit_now(status: int) -> NoReturn:
@@ -94,16 +107,21 @@ def _log_paths(cfg: JobConfig) -> None:
     log.info(f"Config file: {cfg.job.config_file or '(none: defaults and command line)'}")
     log.info(f"Dump folder: {cfg.job.dump_folder}")
     log.info(f"Tokenizer: {cfg.model.tokenizer_path}")
-    if cfg.training.dataset_path is not None:
-        log.info(f"Dataset: {cfg.training.dataset_path}")
-    else:
-        from trainer.components.data_sources import DATASETS
-
-        spec = DATASETS.get(cfg.training.dataset)
-        where = f" ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else ""
-        log.info(f"Dataset: {cfg.training.dataset}{where}")
+    log.info(f"Dataset: {_dataset_name(cfg.training.dataset, cfg.training.dataset_path)}")
+    if cfg.validation.enable:
+        log.info(f"Validation dataset: {_dataset_name(cfg.validation.dataset, cfg.validation.dataset_path)}")
     if cfg.checkpoint.enable_checkpoint:
         log.info(f"Checkpoint folder: {os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)}")
+
+
+def _dataset_name(name: str, path: str | None) -> str:
+    """A dataset as the start-up log names it: the local path, or the registered name and where it reads."""
+    if path is not None:
+        return path
+    from trainer.components.data_sources import DATASETS
+
+    spec = DATASETS.get(name)
+    return f"{name} ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,16 +163,17 @@ def _run(argv: list[str] | None, started: list) -> int:
         return report(e)
     started.append(trainer)
     try:
-        trainer.train()
-    except KilnExit as e:  # a user mistake met mid-run, a non-finite loss, a SIGTERM stop
+        try:
+            trainer.train()
+        except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
+            line = _lost_peers(trainer, e)
+            if line is None:  # no rank is gone: not a lost peer, the traceback is the report
+                raise
+            raise PeersLost(line) from None
+        finally:
+            trainer.close()  # a background save that fails here (a full disk) is a KilnExit too
+    except KilnExit as e:  # a user mistake met mid-run, a non-finite loss, a SIGTERM stop, lost ranks
         return report(e)
-    except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
-        line = _lost_peers(trainer, e)
-        if line is None:  # no rank is gone: not a lost peer, the traceback is the report
-            raise
-        return report(PeersLost(line))
-    finally:
-        trainer.close()
     return DONE
 
 

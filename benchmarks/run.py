@@ -13,7 +13,10 @@ As soon as a row ends it is appended to `<out>/results.jsonl` (one JSON object p
 (one table line), and printed; its log goes to `<out>/logs/`. So a run cut short keeps every finished row, and
 later runs with other --rows add to the same files. A row reports the median tps and mfu of the measured steps,
 their peak memory, the final loss, the whole step's time (tokens per step / tps) and the transformer blocks'
-forward+backward time inside it, and both as speedups over the bf16 row with the same compile/AC/nproc.
+forward+backward time inside it, and both as speedups over the bf16 row with the same compile/AC/nproc. MFU and
+TFLOP/s come under both FLOP conventions (attention counted in full, as torchtitan and PaLM do; causal, as
+Megatron-LM does: docs/metrics.md), read from the row's start-up line, so a row compares with either family of
+published numbers; a torchtitan row (full) gets its causal figures from a kiln row of the same preset.
 `--engine torchtitan` runs the same rows with torchtitan 0.2.2 (gpu_bundle/torchtitan/run.sh, made by
 scripts/prepare_gpu_run.py; presets with `torchtitan: True`), into the same files, for side-by-side rows.
 """
@@ -141,6 +144,11 @@ TT_STEP = re.compile(
     r"step: +(?P<step>\d+)  loss: +(?P<loss>[\d.]+)  grad_norm: +[\d.]+  memory: +(?P<mem>[\d.]+)GiB\([\d.]+%\)  "
     r"tps: (?P<tps>[\d,]+)  tflops: [\d,.]+  mfu: (?P<mfu>[\d.]+%)"
 )
+# kiln's start-up line: both FLOP counts per token and the one its step line's mfu used (trainer/build.py).
+FLOPS = re.compile(
+    r"FLOPs/token: (?P<full>[\d.]+) G attention full .*?, (?P<causal>[\d.]+) G causal .*?"
+    r"MFU and TFLOP/s count (?P<used>full|causal)"
+)
 BLOCKS = re.compile(r"blocks: (?P<total>[\d.]+) ms per step \(forward (?P<fwd>[\d.]+), backward (?P<bwd>[\d.]+);")
 
 
@@ -155,7 +163,13 @@ class Row:
     steps: int
     tokens_per_step: int  # per device: local batch x seq_len x gradient accumulation (1 in the presets)
     tps: float | None = None
-    mfu: float | None = None
+    mfu: float | None = None  # as the step line printed it (kiln: metrics.attention_flops; torchtitan: full)
+    gflops_per_token: float | None = None  # attention counted in full (torchtitan, PaLM)
+    gflops_per_token_causal: float | None = None  # attention counted causal (Megatron-LM)
+    mfu_full: float | None = None
+    mfu_causal: float | None = None
+    tflops_full: float | None = None  # per device: tps x FLOPs/token
+    tflops_causal: float | None = None
     memory_gib: float | None = None
     final_loss: float | None = None
     step_ms: float | None = None  # whole step: tokens_per_step / tps
@@ -256,6 +270,12 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
         row.memory_gib = max(float(s["mem"]) for s in measured)
         row.final_loss = float(measured[-1]["loss"])
         row.step_ms = 1e3 * row.tokens_per_step / row.tps if row.tps else None
+    flops = next((m for m in map(FLOPS.search, lines) if m), None)
+    if flops:
+        row.gflops_per_token, row.gflops_per_token_causal = float(flops["full"]), float(flops["causal"])
+        fill_conventions(row, used=flops["used"])
+    elif row.engine == "torchtitan":
+        fill_conventions(row, used="full")  # torchtitan counts attention in full; FLOPs/token come later
     blocks = next((m for m in map(BLOCKS.search, lines) if m), None)
     if blocks:
         row.blocks_ms, row.blocks_fwd_ms, row.blocks_bwd_ms = (float(blocks[k]) for k in ("total", "fwd", "bwd"))
@@ -265,6 +285,34 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
         tail = [line for line in lines if line.strip()][-1:] or ["no output"]
         row.error = f"exit {proc.returncode}: {tail[0][:200]}"
     return row
+
+
+def fill_conventions(row: Row, used: str) -> None:
+    """MFU and TFLOP/s under both conventions from the measured tps and mfu (which counted `used`)."""
+    full, causal = row.gflops_per_token, row.gflops_per_token_causal
+    if used == "full":
+        row.mfu_full = row.mfu
+    if full and causal and row.mfu is not None:
+        scale = {"full": full, "causal": causal}[used]
+        row.mfu_full, row.mfu_causal = row.mfu * full / scale, row.mfu * causal / scale
+    if full and causal and row.tps:
+        row.tflops_full, row.tflops_causal = row.tps * full / 1e3, row.tps * causal / 1e3
+
+
+def add_torchtitan_flops(row: dict, previous: list[dict]) -> None:
+    """A torchtitan row's FLOPs/token (hence causal MFU and both TFLOP/s) from a kiln row of its preset: the same
+    shape by construction (gpu_bundle's torchtitan configs are the presets')."""
+    if row.get("engine") != "torchtitan" or row.get("gflops_per_token"):
+        return
+    kiln = [p for p in previous if p.get("engine", "kiln") == "kiln" and p["preset"] == row["preset"]]
+    kiln = [p for p in kiln if p.get("gflops_per_token")]
+    if kiln:
+        full, causal = kiln[-1]["gflops_per_token"], kiln[-1]["gflops_per_token_causal"]
+        row["gflops_per_token"], row["gflops_per_token_causal"] = full, causal
+        if row.get("mfu") is not None:
+            row["mfu_causal"] = row["mfu"] * causal / full
+        if row.get("tps"):
+            row["tflops_full"], row["tflops_causal"] = row["tps"] * full / 1e3, row["tps"] * causal / 1e3
 
 
 def _same_setup(a: dict, b: dict) -> bool:
@@ -298,9 +346,9 @@ def add_speedups(row: dict, previous: list[dict]) -> None:
 
 
 HEADER = [
-    "| preset | row | tps (median) | mfu | peak GiB | step ms | blocks fwd+bwd ms | blocks share | "
-    "vs bf16 (step) | vs bf16 (blocks) | final loss | measured | when |",
-    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    "| preset | row | tps (median) | mfu full / causal | TFLOP/s full / causal | peak GiB | step ms | "
+    "blocks fwd+bwd ms | blocks share | vs bf16 (step) | vs bf16 (blocks) | final loss | measured | when |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
 ]
 
 
@@ -311,11 +359,13 @@ def md_line(r: dict) -> str:
     row = row_id(r["precision"], r["compile"], r["ac"], r.get("engine", "kiln"))
     row += f" (nproc {r['nproc']})" if r["nproc"] > 1 else ""
     if r.get("error") and not r.get("tps"):
-        return f"| {r['preset']} | {row} | failed: {r['error']} | | | | | | | | | | {r['date']} |"
+        return f"| {r['preset']} | {row} | failed: {r['error']} | | | | | | | | | | | {r['date']} |"
     share = r["blocks_ms"] / r["step_ms"] if r.get("blocks_ms") and r.get("step_ms") else None
     note = f" ({r['error']})" if r.get("error") else ""
+    mfu = f"{f(r.get('mfu_full', r.get('mfu')), '.2f', '%')} / {f(r.get('mfu_causal'), '.2f', '%')}"
+    tflops = f"{f(r.get('tflops_full'), '.1f')} / {f(r.get('tflops_causal'), '.1f')}"
     return (
-        f"| {r['preset']} | {row}{note} | {f(r.get('tps'), ',.0f')} | {f(r.get('mfu'), '.2f', '%')} "
+        f"| {r['preset']} | {row}{note} | {f(r.get('tps'), ',.0f')} | {mfu} | {tflops} "
         f"| {f(r.get('memory_gib'), '.2f')} | {f(r.get('step_ms'), '.1f')} | {f(r.get('blocks_ms'), '.1f')} "
         f"| {f(share, '.0%')} | {f(r.get('speedup'), '.2f', 'x')} | {f(r.get('blocks_speedup'), '.2f', 'x')} "
         f"| {f(r.get('final_loss'), '.4f')} | {r['measured_steps']}/{r['steps']} | {r['date']} |"
@@ -328,6 +378,7 @@ def append_row(out: Path, row: Row) -> dict:
     record = asdict(row)
     record["args_shape"] = _shape(record)
     add_speedups(record, previous)
+    add_torchtitan_flops(record, previous)
     stored = {k: v for k, v in record.items() if k != "args_shape"}
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(stored) + "\n")
@@ -348,6 +399,7 @@ def summary(out: Path) -> str:
     for r in rows:
         r["speedup"] = r["blocks_speedup"] = None
         add_speedups(r, rows)
+        add_torchtitan_flops(r, rows)
     return "\n".join([*HEADER, *(md_line(r) for r in rows)]) + "\n"
 
 

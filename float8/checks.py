@@ -14,8 +14,9 @@ What counts as a float8 matmul is torchao's own: its Float8TrainingTensor dispat
 matmul) on two float8 operands to an entry of torchao's op table, which calls torch._scaled_mm or, with
 `emulate`, a high-precision mm of the dequantised operands. The MXFP8 recipes do the same through MXTensor's op
 table (torch._scaled_mm with e8m0 block scales, or the EMULATED dequantised mm). The probe wraps those entries
-for the step: they
-count and call through, so the step computes exactly what it would without the probe. The table sits below
+for the step: they count and call through, so the step computes exactly what it would without the probe. NVFP4 is
+kiln's own emulation: each of its GEMMs is one call of the custom op `kiln::nvfp4_gemm`, which reports to the
+counter `float8.nvfp4.counting_gemms` installs for the step. The table sits below
 DTensor (TP hands it the local shards), FSDP and activation checkpointing, so no layout changes the count.
 Under torch.compile the entries run while the graph is traced (dynamo's fake-tensor pass, AOTAutograd's
 joint graph), not when the compiled code runs: the count then says the compiled graph holds float8 matmuls.
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import is_float8_linear
+from float8.nvfp4 import counting_gemms
 from kiln_base.config import Float8
 from kiln_base.errors import ConfigError
 from kiln_base.internals import (
@@ -111,6 +113,10 @@ class Float8UsageProbe:
         if not self.cfg.enable_float8_linear:
             yield
             return
+        if self.cfg.is_nvfp4:
+            with self._counting_nvfp4():
+                yield
+            return
         from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
 
         mx = self.cfg.is_mxfp8
@@ -130,6 +136,17 @@ class Float8UsageProbe:
             for op, original in originals.items():
                 if table.get(op) is wrappers[op]:  # leave an entry someone else swapped since
                     table[op] = original
+
+    @contextlib.contextmanager
+    def _counting_nvfp4(self) -> Iterator[None]:
+        def count(traced: bool) -> None:
+            self.matmuls["traced" if traced else "ran", True] += 1  # always emulated
+
+        def on_compile(_args: Any) -> None:
+            self.compilations += 1
+
+        with counting_gemms(count), on_dynamo_compile(on_compile):
+            yield
 
     def verify(self) -> list[str]:
         """Check each enabled float8 flag took effect; return the findings (logged), raise ConfigError if not.
@@ -161,7 +178,7 @@ class Float8UsageProbe:
                 f"float8.enable_float8_linear is set but none of the {total.linears} Linears is a Float8Linear "
                 f"(float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
             )
-        kind = "have MXFP8 weights" if cfg.is_mxfp8 else "are Float8Linear"
+        kind = "have MXFP8 weights" if cfg.is_mxfp8 else "are NVFP4Linear" if cfg.is_nvfp4 else "are Float8Linear"
         findings = [f"float8 in use: {total.float8}/{total.linears} Linears {kind}", self._matmul_finding(total)]
         if cfg.enable_fsdp_float8_all_gather:
             findings.append(self._all_gather_finding(total, wide))
@@ -182,7 +199,7 @@ class Float8UsageProbe:
             )
         how = [f"{ran} ran"] if ran else []
         how += [f"{traced} traced into compiled graphs"] if traced else []
-        what = "MXFP8 matmuls" if self.cfg.is_mxfp8 else "float8 matmuls"
+        what = "MXFP8 matmuls" if self.cfg.is_mxfp8 else "NVFP4 matmuls" if self.cfg.is_nvfp4 else "float8 matmuls"
         kind = f"emulated {what}" if emulated == ran + traced else what
         if 0 < emulated < ran + traced:
             kind += f" ({emulated} emulated)"

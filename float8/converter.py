@@ -1,6 +1,7 @@
 """The float8 model converter: `[float8]` config -> torchao Float8LinearConfig -> Float8Linear modules, or for
 the MXFP8 recipes MXFP8TrainingOpConfig -> MXFP8Linear modules whose weight is torchao's MXFP8 training wrapper
-tensor (its F.linear runs the three GEMMs in MXFP8, also on TP shards). "float8 Linear" below means either.
+tensor (its F.linear runs the three GEMMs in MXFP8, also on TP shards), or for nvfp4 NVFP4Linear modules (emulated
+NVFP4 GEMMs, float8/nvfp4.py). "float8 Linear" below means any of them.
 
 The Trainer calls `build_float8_converter(cfg)` before anything heavy (it checks torchao and the GPU), then
 `convert(model)` on the meta-device model before parallelisation, and `post_optimizer_hook(model)` after each
@@ -13,6 +14,7 @@ import dataclasses
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from float8.environment import check_float8_environment
-from kiln_base.config import MXFP8_BLOCK, Float8
+from float8.nvfp4 import nvfp4_linear
+from kiln_base.config import Float8
 from kiln_base.internals import disable_torch_function_subclass, local_tensor_or_self, skip_torchao_triton_min_max_patch
 
 if TYPE_CHECKING:
@@ -40,8 +43,11 @@ def is_mxfp8_weight(weight: torch.Tensor | None) -> bool:
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    """Whether `module` runs its matmuls in float8: torchao's Float8Linear, or an MXFP8Linear with its MXFP8 training
-    weight. Never imports torchao to ask. A Linear switched to high precision answers False."""
+    """Whether `module` runs its matmuls in low precision: torchao's Float8Linear, an MXFP8Linear with its MXFP8
+    training weight, or an NVFP4Linear. Never imports torchao to ask. A Linear switched to high precision answers
+    False."""
+    if isinstance(module, NVFP4Linear):
+        return True
     if isinstance(module, MXFP8Linear):
         return is_mxfp8_weight(module.weight)
     return type(module).__name__ == "Float8Linear"
@@ -55,27 +61,45 @@ class MXFP8Linear(nn.Linear):
     and hands aten.mm to the local tensors, whose dispatch unwraps to a plain matmul, so the wrapper would silently
     run high precision (torchao 0.18; pytorch/ao#4010 reverses the nesting upstream). Here the matmul runs on the
     local shards instead, where the wrapper sees F.linear, and the result becomes a DTensor again
-    (`_linear_on_local_shards`). The TP styles around the module are torch's own ColwiseParallel/RowwiseParallel.
+    (`linear_on_local_shards`). The TP styles around the module are torch's own ColwiseParallel/RowwiseParallel.
 
     torchao's wrapper ignores F.linear's bias (0.18), so the bias is added here, outside the MXFP8 matmul.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        out = _linear_on_local_shards(x, w) if isinstance(w, DTensor) else F.linear(x, w)
+        out = linear_on_local_shards(x, w) if isinstance(w, DTensor) else F.linear(x, w)
         return out if self.bias is None else out + self.bias
 
 
-def _linear_on_local_shards(x: torch.Tensor, weight: DTensor) -> DTensor:
-    """F.linear(x, weight) computed from each rank's shards, with the placements DTensor's own sharded matmul gives.
+class NVFP4Linear(nn.Linear):
+    """An nn.Linear whose three GEMMs run emulated NVFP4 (float8/nvfp4.py); same parameters, plain tensors.
+
+    Under TP the matmul runs on the local shards (`linear_on_local_shards`, as for MXFP8): each rank scales its own
+    shard's blocks of 16 (`decide` asks for 16 x tp_degree) and takes its shard's amax for the per-tensor scale.
+    torchao's NVFP4 TP path all-reduces that amax; here each TP rank's per-tensor scale is its shard's, so TP
+    numerics differ from one process's in the rounding of the e4m3 block scales.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        out = linear_on_local_shards(x, w, nvfp4_linear) if isinstance(w, DTensor) else nvfp4_linear(x, w)
+        return out if self.bias is None else out + self.bias
+
+
+LocalLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def linear_on_local_shards(x: torch.Tensor, weight: DTensor, linear: LocalLinear = F.linear) -> DTensor:
+    """linear(x, weight) computed from each rank's shards, with the placements DTensor's own sharded matmul gives.
 
     Per mesh dim: a colwise weight (Shard(0), out_features split) needs all of x and gives out Shard(-1); x's
     gradient is then a partial sum over ranks. A rowwise weight (Shard(1), in_features split) needs x split the same
     way (Shard(-1)) and gives a partial sum (Partial, reduced by RowwiseParallel's output redistribution). Each rank
-    scales whole blocks of 32 of its own shard, as one process would: the MXFP8 decision asks that every dim split
-    by TP divide into blocks of 32 per rank (`decide`), so the numbers match one process up to summation order.
+    scales whole blocks (MXFP8 32, NVFP4 16) of its own shard, as one process would: the decision asks that every dim
+    split by TP divide into whole blocks per rank (`decide`), so MXFP8 matches one process up to summation order.
     """
-    assert isinstance(x, DTensor), f"a TP-sharded MXFP8 Linear got a {type(x).__name__} input, not a DTensor"
+    assert isinstance(x, DTensor), f"a TP-sharded block-scaled Linear got a {type(x).__name__} input, not a DTensor"
     last = x.ndim - 1
     # weight placement -> (what x must be, what the output is, what x's gradient is)
     rules: dict[Placement, tuple[Placement, Placement, Placement]] = {
@@ -83,10 +107,10 @@ def _linear_on_local_shards(x: torch.Tensor, weight: DTensor) -> DTensor:
         Shard(1): (Shard(last), Partial(), Shard(last)),
     }
     # The TP plan makes every Linear colwise or rowwise; FSDP's dim is all-gathered before forward.
-    assert all(p in rules for p in weight.placements), f"MXFP8 Linear weight placements {weight.placements}"
+    assert all(p in rules for p in weight.placements), f"block-scaled Linear weight placements {weight.placements}"
     want, out, x_grad = zip(*(rules[p] for p in weight.placements))
     x = x.redistribute(placements=want)  # a no-op under kiln's plan: the TP styles already deliver these layouts
-    y = F.linear(x.to_local(grad_placements=x_grad), weight.to_local())
+    y = linear(x.to_local(grad_placements=x_grad), weight.to_local())
     return DTensor.from_local(y, weight.device_mesh, out, run_check=False)
 
 
@@ -168,19 +192,28 @@ _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0, tp_degree: int = 1) -> LinearDecision:
-    """Float8 or not for one Linear, in order: named in filter_fqns, in the first/last blocks kept high precision,
-    dims not divisible by 16 (MXFP8: 32, and with TP 32 x tp_degree, since each rank scales its own shard's
-    blocks of 32 and TP splits one of the two dims), too small."""
+    """Float8 or not for one Linear, in order: named in filter_fqns, in the first/last blocks kept high precision
+    (high_precision_first_last, then high_precision_last: nvfp4 keeps the last 15% by default), dims not divisible
+    by 16 (block-scaled recipes: by their block, 32 or 16, times tp_degree, since each rank scales its own shard's
+    blocks and TP splits one of the two dims), too small."""
     matched = [f for f in cfg.filter_fqns if f in fqn]
     if matched:
         return LinearDecision(fqn, False, f"filter_fqns '{matched[0]}'")
-    keep, block = cfg.high_precision_first_last, _BLOCK_INDEX.search(fqn)
-    if keep and block and (int(block.group(1)) < keep or int(block.group(1)) >= n_layers - keep):
-        return LinearDecision(fqn, False, f"high_precision_first_last {keep} (block {block.group(1)} of {n_layers})")
+    first_last, last, block = cfg.high_precision_first_last, cfg.high_precision_last_blocks(n_layers), None
+    found = _BLOCK_INDEX.search(fqn)
+    if found:
+        block = int(found.group(1))
+    if block is not None and first_last and (block < first_last or block >= n_layers - first_last):
+        return LinearDecision(fqn, False, f"high_precision_first_last {first_last} (block {block} of {n_layers})")
+    if block is not None and last and block >= n_layers - last:
+        default = f"; {cfg.recipe}'s default: the last 15%" if cfg.high_precision_last < 0 else ""
+        blocks = f"block {n_layers - 1}" if last == 1 else f"blocks {n_layers - last}-{n_layers - 1}"
+        return LinearDecision(fqn, False, f"high_precision_last {last} ({blocks} of {n_layers}{default})")
     k, n = linear.in_features, linear.out_features
-    multiple = MXFP8_BLOCK * tp_degree if cfg.is_mxfp8 else 16  # MXFP8: blocks of 32 along K (and N for grad_input)
+    scaled = cfg.block_size  # block-scaled recipes: blocks along K (and along N for the grad_input GEMM)
+    multiple = scaled * tp_degree if scaled else 16
     if k % multiple or n % multiple:  # torch._scaled_mm needs both GEMM dims divisible by 16
-        per_rank = f" ({MXFP8_BLOCK} per rank x tensor_parallel_degree {tp_degree})" if multiple > MXFP8_BLOCK else ""
+        per_rank = f" ({scaled} per rank x tensor_parallel_degree {tp_degree})" if scaled and tp_degree > 1 else ""
         return LinearDecision(fqn, False, f"in/out features {k}/{n} not divisible by {multiple}{per_rank}")
     if cfg.auto_filter_small_kn:
         reason = too_small_to_gain(cfg.recipe, k, n)
@@ -210,11 +243,12 @@ def mxfp8_training_config(cfg: Float8) -> MXFP8TrainingOpConfig:
     return dataclasses.replace(base, kernel_preference=KernelPreference.EMULATED) if cfg.emulate else base
 
 
-def _as_mxfp8_linear(linear: nn.Module) -> MXFP8Linear:
-    """An MXFP8Linear holding `linear`'s own parameters (built on meta: nothing allocated, nothing initialised)."""
+def _as_linear(linear: nn.Module, cls: type[nn.Linear]) -> nn.Linear:
+    """A `cls` (MXFP8Linear, NVFP4Linear) holding `linear`'s own parameters (built on meta: nothing allocated,
+    nothing initialised)."""
     assert type(linear) is nn.Linear, f"{type(linear).__name__} is not an nn.Linear"
     with torch.device("meta"):
-        new = MXFP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
     new.weight, new.bias = linear.weight, linear.bias
     return new
 
@@ -244,7 +278,10 @@ class Float8Converter:
         self.cfg = cfg
         self.tp_degree = tp_degree
         self.recipe = cfg.recipe
-        self.config = mxfp8_training_config(cfg) if cfg.is_mxfp8 else float8_linear_config(cfg)
+        # nvfp4 has no torchao config: kiln's NVFP4Linear runs torchao's numerics emulated (float8/nvfp4.py).
+        self.config = (
+            mxfp8_training_config(cfg) if cfg.is_mxfp8 else None if cfg.is_nvfp4 else float8_linear_config(cfg)
+        )
         self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
 
     def convert(self, model: nn.Module) -> None:
@@ -253,16 +290,19 @@ class Float8Converter:
 
         n_layers = len(getattr(model, "layers", ()))
         self.decisions = [
-            decide(fqn, mod, self.cfg, n_layers, self.tp_degree if self.cfg.is_mxfp8 else 1)
+            decide(fqn, mod, self.cfg, n_layers, self.tp_degree if self.cfg.block_size else 1)
             for fqn, mod in model.named_modules()
             if isinstance(mod, nn.Linear) and not is_float8_linear(mod)
         ]
         chosen = {d.fqn for d in self.decisions if d.converted}
-        if self.cfg.is_mxfp8:
+        if self.cfg.is_nvfp4:
+            for fqn in chosen:
+                model.set_submodule(fqn, _as_linear(model.get_submodule(fqn), NVFP4Linear))
+        elif self.cfg.is_mxfp8:
             from torchao.quantization import quantize_
 
             for fqn in chosen:
-                model.set_submodule(fqn, _as_mxfp8_linear(model.get_submodule(fqn)))
+                model.set_submodule(fqn, _as_linear(model.get_submodule(fqn), MXFP8Linear))
             quantize_(model, self.config, filter_fn=lambda mod, fqn: fqn in chosen)
         else:
             if not torch.cuda.is_available():
@@ -280,7 +320,7 @@ class Float8Converter:
         why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
         on = [("fsdp float8 all-gather", self.cfg.enable_fsdp_float8_all_gather), ("emulate", self.cfg.emulate)]
         flags = "".join(f" + {name}" for name, enabled in on if enabled)
-        into = "MXFP8 weights" if self.cfg.is_mxfp8 else "Float8Linear"
+        into = "MXFP8 weights" if self.cfg.is_mxfp8 else "NVFP4Linear" if self.cfg.is_nvfp4 else "Float8Linear"
         logger.info(
             f"float8 {self.recipe}{flags}: converted {len(chosen)} of {len(self.decisions)} Linears to {into}; "
             f"skipped {len(self.decisions) - len(chosen)}" + (f": {why}" if why else "")
@@ -303,7 +343,7 @@ class Float8Converter:
 
 def build_float8_converter(cfg: Float8, tp_degree: int = 1) -> Float8Converter | None:
     """None when float8 is off; otherwise check torchao and the GPUs first (ConfigError, exit 2). `tp_degree`:
-    MXFP8 Linears need blocks of 32 in each rank's shard."""
+    block-scaled Linears need whole blocks (MXFP8 32, NVFP4 16) in each rank's shard."""
     if not cfg.enable_float8_linear:
         return None
     check_float8_environment(cfg)

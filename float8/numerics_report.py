@@ -20,8 +20,9 @@ logger = logging.getLogger("kiln")
 
 class NumericsReport:
     """Writes `<folder>/rank_<r>.jsonl` on every rank (operands are this rank's shards); on the logging rank also
-    TensorBoard scalars (`writer`, when on) and the worst-layers line, and a warning once per layer when an operand's
-    SQNR or underflow crosses the alarm thresholds; at close, the heatmap PNG."""
+    scalars through the metrics' `writer` (TensorBoard and W&B, those that are on) and the worst-layers line, and a
+    warning once per layer when an operand's SQNR or underflow crosses the alarm thresholds; at close, the heatmap
+    PNG."""
 
     def __init__(self, cfg: Float8, folder: str, rank: int, is_logging_rank: bool, writer: Any) -> None:
         self.cfg, self.is_logging_rank, self.writer = cfg, is_logging_rank, writer

@@ -22,22 +22,38 @@ inside the functions that need it; nothing from kiln.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 # Re-exported: these live only under private module paths. Checked on torch 2.11.0, 2.13.0.
-from torch._ops import OpOverload  # the type of `torch.ops.aten.mm.default`
+from torch._ops import (
+    HigherOrderOperator,  # the type of `torch.ops.higher_order.*` (in compiled graphs)
+    OpOverload,  # the type of `torch.ops.aten.mm.default`
+)
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo  # a record: file, offset, length
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # set_custom_all_gather's base
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter  # and reduce-scatter's
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FSDPAllGather", "OpOverload", "TorchDispatchMode", "is_traceable_wrapper_subclass", "tree_leaves"]
+__all__ = [
+    "DCPStorageInfo",
+    "FSDPAllGather",
+    "HigherOrderOperator",
+    "FSDPReduceScatter",
+    "OpOverload",
+    "TorchDispatchMode",
+    "is_traceable_wrapper_subclass",
+    "tree_leaves",
+]
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -99,7 +115,9 @@ def capture_sac_caches() -> Iterator[list[Any]]:
     """Collect every per-op SAC caching mode (`torch.utils.checkpoint._CachingTorchDispatchMode`) created inside.
 
     Their `.storage` holds what SAC keeps for backward; read it with `sac_cached_tensors` before backward
-    consumes it. Checked on torch 2.11.0, 2.13.0 (the class and its `__init__` storing `.storage`).
+    consumes it. Modes created while torch.compile traces a checkpointed region hold its fake tensors, not memory:
+    left out (the compiled partition decides what such a region keeps). Checked on torch 2.11.0, 2.13.0 (the class
+    and its `__init__` storing `.storage`).
     """
     import torch.utils.checkpoint as torch_checkpoint
 
@@ -109,7 +127,8 @@ def capture_sac_caches() -> Iterator[list[Any]]:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        modes.append(self)
+        if not torch.compiler.is_compiling():
+            modes.append(self)
 
     cls.__init__ = init  # type: ignore[method-assign]  # patched for the block, restored below
     try:
@@ -157,6 +176,42 @@ def fsdp_param_owner(fsdp_param: Any) -> tuple[nn.Module, str]:
     """(module, attribute name) of the parameter an FSDPParam manages. Checked on torch 2.11.0, 2.13.0."""
     info = fsdp_param._module_info
     return info.module, info.param_name
+
+
+def fsdp_reduce_tp_partial_grads_in_reduce_dtype() -> None:
+    """Make FSDP2's all-reduce of TP-partial gradients run in the policy's reduce_dtype (pytorch#190626), process-wide
+    and idempotent.
+
+    With FSDP2 over TP DTensors, a parameter replicated over TP whose gradient is a partial sum (the norm weights
+    under sequence parallel) is all-reduced over the TP mesh by `FSDPParam._get_grad_inner_tensor` (a Partial ->
+    Replicate redistribute) in the gradient's own dtype: bfloat16 with param_dtype bfloat16, even when
+    `MixedPrecisionPolicy(reduce_dtype=float32)` says float32 (its reduce-scatter then sums the bfloat16-rounded
+    result in float32). The wrapper casts every DTensor gradient to the FSDPParam's reduce_dtype first, each rank
+    its own local tensor (`from_local`, no collective), which is what pytorch/pytorch#190627 does upstream and what
+    FSDP's own gradient-accumulation path (`to_accumulated_grad_if_needed`) already did. All of them, not only the
+    partial ones: FSDP's reduce-scatter asserts one gradient dtype per parameter group. The cost is one transient
+    reduce_dtype copy of each gradient before FSDP copies it into its (reduce_dtype) reduce-scatter buffer.
+    Where torch has the fix, the gradient arrives in reduce_dtype and the cast does nothing.
+
+    Checked on torch 2.13.0 (`FSDPParam._get_grad_inner_tensor(self, grad)` and `FSDPParam.reduce_dtype`; torch
+    2.11's source has both, unchanged since 2.4).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    original = FSDPParam._get_grad_inner_tensor
+    if getattr(original, "_kiln_reduce_dtype", False):
+        return
+
+    def get_grad_inner_tensor(self: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = wait_if_async_collective(grad)
+        dtype = self.reduce_dtype
+        if dtype is not None and isinstance(grad, DTensor) and grad.dtype != dtype:
+            local = grad.to_local().to(dtype)
+            grad = DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return original(self, grad)
+
+    get_grad_inner_tensor._kiln_reduce_dtype = True  # type: ignore[attr-defined]  # marks the wrapper as kiln's
+    FSDPParam._get_grad_inner_tensor = get_grad_inner_tensor  # type: ignore[method-assign]
 
 
 def all_gather_single(
@@ -240,6 +295,40 @@ def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state)
+
+
+# ----------------------------------------------------------------------------- reading untrusted checkpoints
+
+
+class RecordCheckingReader(FileSystemReader):
+    """DCP's FileSystemReader with a hook, `check_record(file, info)`, run before each record is read (`file`: the
+    open file, `info`: the record's DCPStorageInfo), through the reader's private `_slice_file`, the one place
+    every record passes on its way to torch.load. Checked on torch 2.11.0, 2.13.0 (same read_data loop)."""
+
+    def check_record(self, file: IO[bytes], info: Any) -> None:
+        """Raise to refuse the record; the default admits all."""
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        self.check_record(file, sinfo)
+        return super()._slice_file(file, sinfo)
+
+
+class BuildCheckingUnpickler(pickle._Unpickler):
+    """The standard library's pure-Python unpickler (its private `pickle._Unpickler`: the C unpickler has no hook
+    per opcode) with a hook, `check_build(target)`, run before each BUILD opcode sets state on `target`. Same in
+    Python 3.10 to 3.13."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def check_build(self, target: Any) -> None:
+        """Raise to refuse the BUILD; the default admits all."""
+
+    def _load_build(self) -> None:
+        stack: list[Any] = self.stack  # type: ignore[attr-defined]  # typeshed types the C Unpickler
+        self.check_build(stack[-2] if len(stack) >= 2 else None)
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _load_build  # type: ignore[assignment]
 
 
 # ----------------------------------------------------------------------------- CUDA memory snapshots
@@ -477,6 +566,100 @@ def partitioned_graphs_backend(graphs: list[tuple[str, Any]]) -> Any:
     return aot_autograd(
         fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition
     )
+
+
+def inductor_partition_backend(around_forward: Any) -> Any:
+    """A torch.compile backend that splits each graph into forward and backward exactly as inductor decides:
+    inductor's decompositions and its partition function (its joint-graph passes, then the min-cut partitioner
+    with compiler="inductor"), then runs both graphs eagerly instead of generating code. The forward graph's
+    outputs past the user's are the tensors saved for backward, as in an inductor-compiled run; each forward runs
+    inside `around_forward()` (a context manager), so an observer can tell graph work from eager work.
+    Checked on torch 2.11.0, 2.13.0 (`torch._inductor.compile_fx.partition_fn`, `torch._inductor.decomposition.
+    select_decomp_table`, `torch._dynamo.backends.common.aot_autograd`)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    def forward_compiler(gm: Any, _example_inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            with around_forward():
+                return gm(*args)
+
+        return make_boxed_func(run)
+
+    def backward_compiler(gm: Any, _example_inputs: Any) -> Any:
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=backward_compiler,
+        partition_fn=partition_fn,
+        decompositions=select_decomp_table(),
+    )
+
+
+class CompileTransparentDispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode under which torch.compile still compiles: dynamo turns the mode off while it traces
+    and compiles, and back on while compiled code runs (`ignore_compile_internals`). Under a plain TorchDispatchMode
+    torch 2.13's dynamo skips every frame ("non-infra torch dispatch mode present"): compiled code runs eagerly.
+    With a backend that runs its graphs eagerly (inductor_partition_backend) the mode sees the graphs' ops, higher
+    order ones included (a compiled checkpointed block runs `run_and_save_rng_state`): `__torch_dispatch__` gets
+    them too (`supports_higher_order_operators`) and must call them like any op. Checked on torch 2.11.0, 2.13.0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+# ----------------------------------------------------------------------------- compile: guards and counters
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Compile `t`'s dimension `dim` as a symbolic size from the first call on (torch._dynamo.mark_dynamic), so a
+    compiled region taking tensors whose length changes every call compiles once instead of recompiling for the
+    second length seen. Checked on torch 2.13.0."""
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def dynamo_graphs_compiled() -> int:
+    """How many graphs dynamo has produced in this process so far (torch._dynamo.utils.counters, stats /
+    unique_graphs): every compile and every recompile adds one; a call served by a cached graph adds none.
+    Checked on torch 2.13.0."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ----------------------------------------------------------------------------- flex attention
+
+
+@contextlib.contextmanager
+def cpu_flex_backward() -> Iterator[None]:
+    """Let eager flex_attention take CPU inputs that require grad while active: measurements and tests only.
+
+    torch refuses them (`torch.nn.attention.flex_attention._validate_device`: "FlexAttention does not support backward
+    on CPU"), yet its eager implementation, the unfused reference that materialises the scores, has a backward on
+    any device; inductor's compiled backward is Triton only, so compiled code stays refused. kiln's CPU runs evaluate
+    a block mask densely for SDPA instead (models/attention.py); this lets a test run the flex kernel's own path on a
+    CPU, e.g. to see what per-op SAC keeps of it. Checked on torch 2.13.0."""
+    import torch.nn.attention.flex_attention as flex
+
+    original = flex._validate_device
+
+    def validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type != "cpu":
+            original(query, key, value)
+
+    flex._validate_device = validate
+    try:
+        yield
+    finally:
+        flex._validate_device = original
 
 
 # ----------------------------------------------------------------------------- pipeline parallelism

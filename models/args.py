@@ -1,9 +1,11 @@
 """Model hyper-parameters and the Llama 3 / 3.1 / 3.2 flavors (Meta's published shapes and rope settings)."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kiln_base.config import ModelShape
+from kiln_base.config import ATTENTION_VARIANTS, BASE_FLAVORS, ModelShape, attention_flavor, check_model_fields
+from kiln_base.errors import ConfigError
 
 
 @dataclass
@@ -28,13 +30,42 @@ class ModelArgs:
     context_len: int = 8192  # the context the model is made for (Hugging Face's max_position_embeddings)
     depth_init: bool = True  # output projections' init std shrinks with layer depth
     tie_word_embeddings: bool = False
+    # Attention (models/attention.py): the kernel, and the mask. block_causal: causal within each document of the
+    # packed sequence, a document starting at each bos_id token (kiln's loader writes BOS ... EOS per document).
+    attn_type: str = "sdpa"  # sdpa | flex | varlen
+    attn_mask_type: str = "causal"  # causal | block_causal
+    bos_id: int | None = None  # set from the tokenizer at build time (like vocab_size); block_causal needs it
 
     def shape(self) -> ModelShape:
         """What the config checks need to know of this shape (kiln_base/config/checks.py)."""
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         return ModelShape(
-            self.dim, self.n_layers, self.n_heads, kv, ffn_hidden_dim(self), self.vocab_size, self.tie_word_embeddings
+            self.dim,
+            self.n_layers,
+            self.n_heads,
+            kv,
+            ffn_hidden_dim(self),
+            self.vocab_size,
+            attn_type=self.attn_type,
+            tied=self.tie_word_embeddings,
         )
+
+    def check_fields(self, where: str) -> None:
+        """Every field of the right type and in range (kiln_base.config.check_model_fields), ConfigError if not."""
+        check_model_fields({f.name: getattr(self, f.name) for f in fields(self)}, where)
+
+
+def stored_model_args(saved: Any, where: str) -> ModelArgs:
+    """ModelArgs from a stored mapping (a kiln.json's model_args), each field checked for type and range before
+    the model is computed with (`where` names the file in the ConfigError)."""
+    if not isinstance(saved, Mapping):
+        raise ConfigError(f"{where} stores no model_args (a JSON object of the model's shape)")
+    known = {f.name for f in fields(ModelArgs)}
+    unknown = sorted(str(k) for k in set(saved) - known)
+    if unknown:
+        raise ConfigError(f"{where} has model_args.{unknown[0]}, unknown to this kiln")
+    check_model_fields(saved, where)
+    return ModelArgs(**saved)
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
@@ -45,10 +76,16 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
     return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
+# Fields that change how a model attends, not its weights: the same weights train and run under either mask.
+ATTENTION_FIELDS = ("attn_type", "attn_mask_type", "bos_id")
+
+
 def model_signature(args: ModelArgs) -> dict[str, Any]:
-    """What makes two ModelArgs the same trained model: every field but the RoPE table length and the init rule,
+    """What makes two ModelArgs the same trained model: every field but the RoPE table length, the init rule and
+    the attention (ATTENTION_FIELDS: weights trained with a causal mask load into a document-masked flavor and back),
     the FFN width instead of the two numbers that produce it, and the scaling settings only when scaling is on."""
-    out = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in ("max_seq_len", "depth_init")}
+    skip = ("max_seq_len", "depth_init", *ATTENTION_FIELDS)
+    out = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in skip}
     out["n_kv_heads"] = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
     out["ffn_hidden_dim"] = ffn_hidden_dim(args)
     for k in ("multiple_of", "ffn_dim_multiplier"):
@@ -112,3 +149,9 @@ LLAMA3_FLAVORS["3.2-1B"] = ModelArgs(
 LLAMA3_FLAVORS["3.2-3B"] = ModelArgs(
     dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, **_LLAMA32
 )
+# Document masking (torchtitan's flavors): each flavor with flex or varlen attention and the block-causal mask.
+LLAMA3_FLAVORS |= {
+    attention_flavor(base, attn): replace(LLAMA3_FLAVORS[base], attn_type=attn, attn_mask_type="block_causal")
+    for attn in ATTENTION_VARIANTS
+    for base in BASE_FLAVORS
+}

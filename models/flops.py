@@ -1,8 +1,17 @@
-"""Parameter counts and per-token training FLOPs (torchtitan / PaLM-appendix convention)."""
+"""Parameter counts and per-token training FLOPs, under the two conventions published MFUs use."""
 
 from torch import nn
 
 from models.args import ModelArgs
+
+# How the attention matmuls (q @ k^T and scores @ v) are counted (metrics.attention_flops):
+# - full: every query meets every key of the sequence, 12·L·H·Q·T per token: torchtitan's and PaLM's convention;
+# - causal: only the keys at or before the query, half of them on average, 6·L·H·Q·T: Megatron-LM's. It is the work
+#   a causal kernel (flash attention) does; full counts the masked half too, so it reads higher.
+CONVENTIONS = {
+    "full": "attention counted in full, as torchtitan and PaLM do",
+    "causal": "attention counted causal (half), as Megatron-LM does",
+}
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
@@ -18,21 +27,25 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     return total
 
 
-def flops_per_token(args: ModelArgs, model: nn.Module, seq_len: int) -> int:
-    """Training FLOPs per token: ``6 * N + 12 * L * H * Q * T``.
+def flops_per_token(args: ModelArgs, model: nn.Module, seq_len: int, attention: str = "full") -> int:
+    """Training FLOPs per token: ``6 * N + 12 * L * H * Q * T`` (attention "full") or ``6 * N + 6 * L * H * Q * T``
+    ("causal").
 
-    - ``6 * N``: forward (2 FLOPs per multiply-add) plus backward (twice the forward) for every
-      matmul weight; N excludes the token embedding table (a lookup, not a matmul). With tied
+    - ``6 * N``: forward (2 FLOPs per multiply-add) plus backward (twice the forward) for every matmul weight; N
+      excludes the token embedding table (a lookup, not a matmul) and includes the output projection. With tied
       embeddings the table is added back, since it is still the output projection's matmul weight.
-    - ``12 * L * H * Q * T``: the two attention matmuls (q @ k^T and scores @ v), each 2*H*Q*T
-      FLOPs per token per layer in forward, times 3 for forward + backward. L layers, H query
-      heads, Q head dim, T sequence length. The causal mask is NOT halved (torchtitan convention),
-      so this overstates the work flash attention does; MFU numbers are comparable with torchtitan's.
-    Norms, activations, RoPE and softmax are ignored.
+    - attention: the two attention matmuls (q @ k^T and scores @ v), each 2*H*Q*T FLOPs per token per layer in
+      forward if every query meets all T keys, times 3 for forward + backward: 12 * L * H * Q * T. L layers, H query
+      heads, Q head dim, T sequence length. "causal" counts half of it: a causal query meets T/2 keys on average
+      ((T+1)/2 with the diagonal; the published formulas use T/2).
+    Norms, activations, RoPE and softmax are ignored. Llama 3 8B at T = 8192: N = 7,504,924,672, 6N = 45.03
+    GFLOP, attention 12.88 (full) or 6.44 (causal): 57.91 and 51.47 GFLOP per token (docs/metrics.md).
     """
+    assert attention in CONVENTIONS, attention
     n = num_params(model, exclude_embedding=True)
     emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if emb is not None and out is not None and out.weight is emb.weight:
         n += emb.weight.numel()
     head_dim = args.dim // args.n_heads
-    return 6 * n + 12 * args.n_layers * args.n_heads * head_dim * seq_len
+    full = 12 * args.n_layers * args.n_heads * head_dim * seq_len
+    return 6 * n + (full if attention == "full" else full // 2)

@@ -2,6 +2,9 @@
 
 Module and attribute names match torchtitan exactly so that tensor-parallel plans, FQN filters
 and checkpoints written for torchtitan apply unchanged. No distributed code lives here.
+
+Blocks take (x, freqs_cis, attention_mask): the mask is None for causal attention, or the batch's document mask
+(models/attention.py), built once per forward from the token ids.
 """
 
 import math
@@ -14,6 +17,7 @@ from torch import nn
 
 from kiln_base.internals import unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
+from models.attention import SUPPORTED, AttentionMask, attend, block_causal_mask, varlen_mask
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Grouped-query self-attention with RoPE: causal, or causal within each document (models/attention.py)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -119,8 +123,8 @@ class Attention(nn.Module):
             "wo.weight": _trunc(init_std),
         }
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+        """x: (bs, seqlen, dim) -> (bs, seqlen, dim); `mask` None is causal attention."""
         bs, seqlen, _ = x.shape
         # -1 for the head count: under tensor parallelism each rank holds only its local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -129,10 +133,8 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         keys = repeat_kv(xk, self.n_rep)
         values = repeat_kv(xv, self.n_rep)
-        # SDPA wants (bs, heads, seqlen, head_dim).
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
-        )
+        # The kernels want (bs, heads, seqlen, head_dim).
+        out = attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
@@ -174,9 +176,9 @@ class TransformerBlock(nn.Module):
         out |= {f"feed_forward.{k}": v for k, v in FeedForward.param_inits(self.weight_init_std).items()}
         return out | {"attention_norm.weight": ParamInit("ones"), "ffn_norm.weight": ParamInit("ones")}
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -191,6 +193,8 @@ class Transformer(nn.Module):
             raise ValueError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
         if args.n_kv_heads is not None and args.n_heads % args.n_kv_heads != 0:
             raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
+        if (args.attn_type, args.attn_mask_type) not in SUPPORTED:
+            raise ValueError(f"attention {args.attn_type} with mask {args.attn_mask_type}: not one of {SUPPORTED}")
         self.model_args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # ModuleDict keyed by layer id (not ModuleList) so FQNs survive pipeline stages dropping layers.
@@ -247,11 +251,38 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             inits[unwrapped_fqn(name)].fill_(param, generator)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def attention_mask(self, tokens: torch.Tensor) -> AttentionMask:
+        """The attention mask of a batch of token ids (bs, seqlen): None for causal attention, else the documents'
+        mask (a document starts at each bos_id). Transformer.forward calls it, on the token ids it is given."""
+        args = self.model_args
+        if args.attn_mask_type == "causal":
+            return None
+        if args.bos_id is None:
+            raise ValueError("attn_mask_type block_causal needs ModelArgs.bos_id (the tokenizer's BOS id)")
+        if args.attn_type == "varlen":
+            return varlen_mask(tokens, args.bos_id)
+        return block_causal_mask(tokens, args.bos_id)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: AttentionMask = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
-        whichever of tok_embeddings / norm / output a pipeline stage has removed."""
+        whichever of tok_embeddings / norm / output a pipeline stage has removed.
+
+        `attention_mask`: the batch's mask (`attention_mask(tokens)`), built here when not given. A pipeline stage
+        without tok_embeddings receives hidden states in `tokens`: under a document mask it is given the batch's
+        token ids in `token_ids` (every stage of a pipeline sees the batch; parallelisms/pipeline.py) and builds
+        the same mask from them."""
+        if attention_mask is None and self.model_args.attn_mask_type != "causal":
+            if token_ids is None and self.tok_embeddings is None:
+                raise ValueError("a stage fed hidden states needs the batch's token_ids (document masking)")
+            # Eager, once per forward, outside the (compiled) blocks: every block reuses it.
+            attention_mask = self.attention_mask(token_ids if token_ids is not None else tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.freqs_cis, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -13,6 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.attention.varlen  # noqa: F401  registers torch.ops.torch_attn._varlen_attn, saved below
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kiln_base.config import ActivationCheckpoint
@@ -31,6 +32,11 @@ SAC_SAVE_LIST: frozenset[Any] = frozenset(
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
+        # Document masking (models/attention.py): flex attention's output and log-sum-exp (what its backward reads
+        # besides q, k, v), and varlen attention's. Recomputing them would redo the whole attention forward in
+        # backward, the most expensive op of a long sequence. SAC sees flex as its higher-order op.
+        torch.ops.higher_order.flex_attention,
+        torch.ops.torch_attn._varlen_attn.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,  # TP rowwise outputs: a collective to redo
         # The amax behind float8 scales: a full read of a big tensor that yields a tiny result, so save it.
         # aten.max is the tensorwise amax (max(abs(x))); aten.amax the rowwise one (amax(abs(x), dim)).

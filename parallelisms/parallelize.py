@@ -23,9 +23,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from float8.converter import is_float8_linear
-from kiln_base.config import ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
-from kiln_base.internals import enable_emulate_precision_casts, enable_micro_pipeline_tp
+from kiln_base.config import BF16_WIRE, ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
+from kiln_base.internals import (
+    enable_emulate_precision_casts,
+    enable_micro_pipeline_tp,
+    fsdp_reduce_tp_partial_grads_in_reduce_dtype,
+)
 from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.grad_reduce import REDUCE_DTYPE, Bf16WireReduceScatter
 from parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -75,7 +80,7 @@ def apply_tp(
     for block_name, block in model.layers.items():
         plan: dict[str, ParallelStyle] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         for sub, inputs, col, row in (
-            ("attention", (Shard(1), None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis)
+            ("attention", (Shard(1), None, None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis, mask)
             ("feed_forward", (Shard(1),), ("w1", "w3"), "w2"),
         ):
             # float8 styles only where every Linear of the sub-module is Float8Linear (some may be filtered).
@@ -136,14 +141,17 @@ def apply_fsdp(
 
     With float8 all-gather the float8 conversion has already made each weight a torchao tensor subclass whose
     FSDP hooks cast the local shard to float8 before the all-gather; nothing else is needed here, except on gloo.
+    Every gradient reduction runs in training.mixed_precision_reduce's precision (parallelisms/grad_reduce.py).
     """
     mesh = parallel_dims.mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else mesh["dp_shard"]
     mp = MixedPrecisionPolicy(
         # The config's choices are torch dtype names (auto: bfloat16 on CUDA, float32 on CPU).
         param_dtype=getattr(torch, resolve_mixed_precision(training.mixed_precision_param, dp_mesh.device_type)),
-        reduce_dtype=getattr(torch, training.mixed_precision_reduce),
+        reduce_dtype=REDUCE_DTYPE[training.mixed_precision_reduce],
     )
+    if parallel_dims.tp_enabled:
+        fsdp_reduce_tp_partial_grads_in_reduce_dtype()  # pytorch#190626: else the TP all-reduce ignores reduce_dtype
     policy = parallelism.fsdp_reshard_after_forward
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
@@ -154,13 +162,16 @@ def apply_fsdp(
         reshard = {"always": True, "never": False}.get(policy, default)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if training.mixed_precision_reduce == BF16_WIRE and parallel_dims.dp_shard_enabled:
+        for module in fsdp_modules:
+            module.set_custom_reduce_scatter(Bf16WireReduceScatter())
     if float8.enable_fsdp_float8_all_gather and dp_mesh.device_type == "cpu":
         # gloo cannot all-gather a float8 buffer (FSDP2 makes one when all of a group's params are float8).
         from parallelisms.float8_gloo import Float8AsUint8AllGather
 
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(Float8AsUint8AllGather())
+        for module in fsdp_modules:
+            module.set_custom_all_gather(Float8AsUint8AllGather())
 
 
 def parallelize_llama(

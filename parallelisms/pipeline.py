@@ -7,12 +7,19 @@ torch.distributed.pipelining schedule (torchtitan's approach).
     materialize each part                          to_empty + the layout-independent init (same seed, same weights)
     pipeline = Pipeline(parts, plan, ...)          PipelineStage per part + the schedule
     pipeline.step(inputs, labels, loss_scale)      forward + backward of every micro-batch
+    pipeline.evaluate(inputs, labels)              forward only (validation), through stages of its own
 
 A stage is a deep copy of the meta-device model with the modules of other stages removed (tok_embeddings, norm
 and output set to None; blocks deleted from `layers`, a ModuleDict keyed by layer id): its parameters keep the
 whole model's names (`layers.5.attention.wq.weight` on whichever stage holds block 5), so a pipeline's
 checkpoint is the whole model's, and loads into any other layout. `StagedModel` shows the stages a rank runs as
 one module under those names, for the optimizer, the checkpoint, the init and the hooks.
+
+Document masking (models/attention.py): only the first stage receives the token ids; the others receive hidden
+states. Every rank of a pipeline reads the same batches, so the schedule hands each stage the micro-batch's token
+ids as a keyword argument (torch splits keyword tensors into micro-batches like the inputs, and passes them to
+every stage), and each stage builds the micro-batch's mask from them (Transformer.forward's `token_ids`): the mask
+a single process builds for those rows.
 """
 
 from __future__ import annotations
@@ -85,24 +92,41 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        microbatch_size: int,
+        document_masks: bool = False,
     ) -> None:
+        """`document_masks`: the model masks attention by document, so every stage is handed the token ids."""
         self.plan, self.device, self.group, self.loss_fn = plan, device, group, loss_fn
+        self.parts, self.stage_ids, self.microbatch_size = list(parts), tuple(stage_ids), microbatch_size
+        self.document_masks = document_masks
         n = len(plan.stages)
         self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
-        self.stages = [PipelineStage(p, i, n, device, group=group) for p, i in zip(parts, stage_ids, strict=True)]
-        cls = get_schedule_class(plan.schedule)
-        looped = issubclass(cls, PipelineScheduleMulti)
-        self.schedule = cls(
-            self.stages if looped else self.stages[0],
-            n_microbatches=plan.microbatches,
-            loss_fn=self._loss,
-            scale_grads=False,
-        )
+        self.stages, self.schedule = self._schedule(plan.microbatches, self._loss)
         self.scale = 1  # set per step: the micro-batch losses summed into one optimizer step's gradients
+        self._eval: dict[int, Any] = {}  # validation schedules by micro-batch count, built at first use
         logger.info(
             f"Pipeline: {plan.schedule}, {n} stages over {plan.degree} ranks (this rank: stages "
             f"{', '.join(map(str, stage_ids))}), {plan.microbatches} micro-batches per local batch"
         )
+
+    def _schedule(
+        self, microbatches: int, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> tuple[list[PipelineStage], Any]:
+        """A PipelineStage per local stage model and the plan's schedule over them, for `microbatches` a batch."""
+        n = len(self.plan.stages)
+        stages = [
+            PipelineStage(p, i, n, self.device, group=self.group)
+            for p, i in zip(self.parts, self.stage_ids, strict=True)
+        ]
+        cls = get_schedule_class(self.plan.schedule)
+        looped = issubclass(cls, PipelineScheduleMulti)
+        schedule = cls(stages if looped else stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+        return stages, schedule
+
+    def _inputs(self, inputs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """The schedule's positional inputs (the first stage's) and the keyword inputs every stage gets."""
+        args = (inputs,) if self.has_first else ()
+        return args, ({"token_ids": inputs} if self.document_masks else {})
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch, scaled so that the gradients sum to those of the mean. (At the
@@ -115,13 +139,32 @@ class Pipeline:
         pipeline (summed in from the last stage's rank: one scalar all-reduce over the pipeline group).
         `accumulation`: the local batches whose gradients this optimizer step sums."""
         self.scale = self.plan.microbatches * accumulation
-        args = (inputs,) if self.has_first else ()
+        args, kwargs = self._inputs(inputs)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return self._summed(losses, accumulation)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The forward and loss of one local batch through every stage, without backward (validation, under
+        torch.no_grad): the batch's mean loss on every rank of the pipeline. It runs stages and a schedule of its
+        own over the same stage models, one per micro-batch count (a validation batch may differ from a training
+        batch in rows and length; the training stages keep the buffers made for theirs)."""
+        n = inputs.shape[0] // self.microbatch_size
+        if n not in self._eval:
+            self._eval[n] = self._schedule(n, lambda logits, target: self.loss_fn(logits, target) / n)[1]
+        args, kwargs = self._inputs(inputs)
+        target = labels if self.has_last else None
+        losses: list[Any] | None = [] if self.has_last else None
+        self._eval[n].eval(*args, target=target, losses=losses, **kwargs)
+        return self._summed(losses, 1)
+
+    def _summed(self, losses: list[Any] | None, factor: int) -> torch.Tensor:
+        """The last stage's micro-batch losses (each already divided by the micro-batch count) summed, x `factor`,
+        on every rank of the pipeline: one scalar all-reduce over the pipeline group."""
         if losses:  # the last stage: its micro-batches' scaled losses (DTensors under loss parallel)
             scaled = torch.stack([x.full_tensor() if isinstance(x, DTensor) else x for x in losses])
-            loss = (scaled.sum() * accumulation).detach().float()
+            loss = (scaled.sum() * factor).detach().float()
         else:
             loss = torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # no host sync: the non-finite guard and the log read it later

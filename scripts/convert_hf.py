@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -37,8 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kiln_base.errors import ConfigError, UserError  # noqa: E402
+from kiln_base.files import FileRefused  # noqa: E402
 from models.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
 from trainer.components import checkpoint, hf  # noqa: E402
+from trainer.components.checkpoint_folder import write_json  # noqa: E402
 from trainer.components.initial_load import stored_kiln_args  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch attribute names
@@ -65,14 +66,12 @@ def _model_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def _read(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
     """These model weights of DCP checkpoint `path` (no process group needed; only their bytes are read)."""
-    import torch.distributed.checkpoint as dcp
-
-    from trainer.components.checkpoint_reader import SafeFileSystemReader
+    from trainer.components.checkpoint_reader import load
 
     md = checkpoint.read_metadata(path)
     meta = md.state_dict_metadata
     sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
-    dcp.load(sd, storage_reader=SafeFileSystemReader(path, md), no_dist=True)
+    load(sd, path, md, no_dist=True)
     return sd
 
 
@@ -108,14 +107,14 @@ def save_kiln_weights(sd: dict[str, torch.Tensor], args: ModelArgs, folder: str,
     import torch.distributed.checkpoint as dcp
 
     final = checkpoint.step_dir(folder, step)
-    if os.path.exists(final):
-        raise ConfigError(f"{final} already exists; not overwriting it")
     tmp = final + ".tmp"
+    for path in (final, tmp):  # DCP would write into (or through) whatever is there
+        if os.path.lexists(path):
+            raise ConfigError(f"{path} already exists; not overwriting it (move it out of {folder})")
     dcp.save(sd, checkpoint_id=tmp, no_dist=True)
     dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     marker = {"step": step, "model_weights_only": True, "dtype": dtype, "model_args": dataclasses.asdict(args)}
-    with open(os.path.join(tmp, checkpoint.MARKER), "w") as f:
-        json.dump(marker, f, indent=1)
+    write_json(os.path.join(tmp, checkpoint.MARKER), marker)
     os.rename(tmp, final)
     return final
 
@@ -150,10 +149,8 @@ def to_hf(
     torch_dtype = getattr(torch, dtype) if dtype is not None else None
     files = hf.save_hf_weights(tensors, lambda keys: _read(path, keys), args, out_dir, torch_dtype, max_shard_bytes)
     saved_dtype = dtype or str(next(iter(tensors.values()))[1]).removeprefix("torch.")
-    with open(os.path.join(out_dir, hf.CONFIG), "w") as f:
-        json.dump(hf.hf_config(args, saved_dtype, tok.bos_id, tok.eos_id), f, indent=2)
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump(hf.generation_config(tok.bos_id, tok.eos_id), f, indent=2)
+    hf.write_json(os.path.join(out_dir, hf.CONFIG), hf.hf_config(args, saved_dtype, tok.bos_id, tok.eos_id))
+    hf.write_json(os.path.join(out_dir, "generation_config.json"), hf.generation_config(tok.bos_id, tok.eos_id))
     hf.write_tokenizer(tok, out_dir, args.context_len)
     print(f"{path} -> {out_dir}: {len(files)} safetensors file(s), {saved_dtype}, tokenizer {tokenizer_path}")
 
@@ -199,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from_hf(a.hf_dir, a.folder, a.step)
     except UserError as e:  # config, checkpoint (damaged, refused as unsafe) mistakes
+        print(f"convert_hf: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return 2
+    except FileRefused as e:  # an output file that is a link (kiln_base/files.py)
         print(f"convert_hf: error: {e}", file=sys.stderr)
         return 2
     return 0

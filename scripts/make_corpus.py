@@ -1,13 +1,18 @@
-"""Generate kiln's bundled training corpus: assets/corpus/kiln_corpus.jsonl.
+"""Generate kiln's bundled corpus: assets/corpus/kiln_corpus.jsonl (training) and kiln_corpus_validation.jsonl.
 
 Every document is produced here by a small procedural grammar (stories, dialogue, arithmetic,
 counting, lists and encyclopedia entries about invented towns). The vocabulary is kept small and
 the "world" is consistent (a town always has the same river, population and trade; a cow always
 says moo), so a tiny model can visibly learn it within a few dozen steps.
 
-Pure standard library and a fixed seed: re-running gives a byte-identical file.
+The validation split is held out: the generator goes on past the training documents, and the next ones that
+are not also training documents (short arithmetic or counting texts can repeat) form the validation file. The
+training file is what the generator's first --target-bytes give, with or without a validation split.
+
+Pure standard library and a fixed seed: re-running gives byte-identical files.
 
     python scripts/make_corpus.py [--output PATH] [--target-bytes N] [--seed S]
+                                  [--validation-output PATH] [--validation-bytes N]
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "assets" / "corpus" / "kiln_corpus.jsonl"
+DEFAULT_VALIDATION_OUTPUT = DEFAULT_OUTPUT.with_name("kiln_corpus_validation.jsonl")
 DEFAULT_TARGET_BYTES = 3_000_000
+DEFAULT_VALIDATION_BYTES = 300_000  # a tenth of the training set
 DEFAULT_SEED = 1234
 
 # ---------------------------------------------------------------------------------------------
@@ -782,9 +789,9 @@ class Corpus:
         return "\n\n".join(parts)
 
 
-def generate(seed: int, target_bytes: int) -> list[str]:
-    """Generate documents until their JSONL size reaches `target_bytes`."""
-    corpus = Corpus(seed)
+def generate(seed: int, target_bytes: int, corpus: Corpus | None = None) -> list[str]:
+    """Generate documents until their JSONL size reaches `target_bytes` (continuing `corpus`'s stream if given)."""
+    corpus = Corpus(seed) if corpus is None else corpus
     kinds: list[tuple[Callable[[], str], int]] = [
         (corpus.story, 30),
         (corpus.dialogue, 14),
@@ -815,12 +822,18 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--target-bytes", type=int, default=DEFAULT_TARGET_BYTES)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--validation-output", type=Path, default=DEFAULT_VALIDATION_OUTPUT)
+    parser.add_argument("--validation-bytes", type=int, default=DEFAULT_VALIDATION_BYTES)
     args = parser.parse_args()
-    docs = generate(args.seed, args.target_bytes)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(json.dumps({"text": text}) + "\n" for text in docs)
-    print(f"wrote {len(docs)} documents, {args.output.stat().st_size:,} bytes to {args.output}")
+    corpus = Corpus(args.seed)
+    docs = generate(args.seed, args.target_bytes, corpus)
+    seen = set(docs)
+    held_out = [text for text in generate(args.seed, args.validation_bytes, corpus) if text not in seen]
+    for path, texts in ((args.output, docs), (args.validation_output, held_out)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+        print(f"wrote {len(texts)} documents, {path.stat().st_size:,} bytes to {path}")
 
 
 if __name__ == "__main__":

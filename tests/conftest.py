@@ -1,6 +1,6 @@
 """Shared fixtures: process-group and determinism cleanup after every test, the repo root, tiny-run arguments,
-and Trainers that are always closed. The same helpers are importable from tests/helpers/common.py for module-level
-use."""
+the small debug model, and Trainers that are always closed. The same helpers are importable from tests/helpers/
+(common.py, checkpoints.py) for module-level use."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from models import LLAMA3_FLAVORS
+from tests.helpers.checkpoints import SMALL
 from tests.helpers.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
 
 if TYPE_CHECKING:
@@ -48,6 +50,13 @@ def tiny_args(tmp_path: Path) -> Callable[..., list[str]]:
         return tiny_run_args("--job.dump_folder", str(tmp_path), *extra, ac=ac)
 
     return make
+
+
+@pytest.fixture
+def small_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs use a 2-layer, dim-64 debugmodel (tests.helpers.checkpoints.SMALL): the saves are about 1 MB
+    instead of 76 MB."""
+    monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 Folders, bottom to top (nothing imports a folder above its own):
 
-    kiln_base      errors and exit statuses, the config (schema, parser, checks), the private torch/torchao uses
+    kiln_base      errors and exit statuses, files others made, the config (schema, parser, checks), the private
+                   torch/torchao uses
     models         Llama 3: args per flavor, the nn.Module, FLOPs per token
     float8         the torchao converter, environment facts, first-step checks, the numerics observatory
     parallelisms   ParallelDims and the mesh, TP, activation checkpointing, compile, FSDP
@@ -24,7 +25,7 @@ import pytest
 from tests.helpers.common import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
-    ("kiln_base.errors",),
+    ("kiln_base.errors", "kiln_base.files"),
     ("kiln_base.config",),  # schema < values < torchtitan_compat, checks < parse (no cycles: see below)
     ("kiln_base.internals",),
     ("models",),
@@ -40,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 FOLDERS = ["kiln_base", "models", "float8", "parallelisms", "trainer", "entry points"]
 KILN_TOP = {"kiln_base", "trainer", "models", "float8", "parallelisms", "train", "launch", "scripts", "benchmarks"}
-STANDARD_LIBRARY_ONLY = ("kiln_base.errors", "kiln_base.config")
+STANDARD_LIBRARY_ONLY = ("kiln_base.errors", "kiln_base.files", "kiln_base.config")
 
 
 def _unit(module: str) -> tuple[int, str]:
@@ -151,3 +152,26 @@ def test_nothing_cites_a_document_outside_the_repository() -> None:
         text = path.read_text(errors="replace")
         for name in outside:
             assert name not in text, f"{rel} cites {name}, which is not in the repository"
+
+
+def _test_module_imports(path: Path) -> list[str]:
+    """The imports in `path` of a test module or conftest (tests.<folder>.test_*, conftest), and relative imports."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {'.' * node.level}{node.module or ''}")
+    lines = set()
+    for module, line in _imports(path):  # `from a import b` lists a, then a.b: one finding per line
+        parts = module.split(".")
+        other_test = any(p.startswith("test_") or p == "conftest" for p in parts)
+        if (other_test or (parts[0] == "tests" and parts[1:2] != ["helpers"])) and line not in lines:
+            lines.add(line)
+            found.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    """Tests share code through tests/helpers/ and fixtures through conftest.py, never by importing a test module:
+    tests.helpers.* is the only part of tests/ anything under tests/ imports."""
+    found = [f for path in sorted((ROOT / "tests").rglob("*.py")) for f in _test_module_imports(path)]
+    assert not found, "move what is shared into tests/helpers/:\n" + "\n".join(found)

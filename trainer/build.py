@@ -4,23 +4,30 @@
     process_group      the default group and this rank's device; lost-peer watch
     model_args         flavor + model.* overrides (or the shape stored with checkpoint.initial_load_path) -> ModelArgs
     parallel_dims      degrees checked against the world, the shape and the device; the device mesh
+    check_fits         the model's training state fits this rank's memory (host RAM on a CPU, the GPU's on CUDA)
     data               the tokenizer's batches, this data-parallel rank's slice
     build_model        ModelArgs -> model on the meta device -> float8 conversion -> (pipeline stages) -> parallelize
                        (TP, AC, compile, FSDP)
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
     pipeline           under pipeline parallelism: the stages as torch PipelineStages and their schedule
     optimizer          AdamW + the LR schedule
+    validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
+
+Before the model: the checkpoint folder is claimed (claim_checkpoint_folder) and the other output folders are
+checked writable (check_output_folders).
 
 Each phase is a function of what it needs, never of the Trainer; the hooks phase is `trainer.hooks.build_hooks`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +44,7 @@ from kiln_base.config import (
     JobConfig,
     Model,
     PipelinePlan,
+    check_model_memory,
     check_model_shape,
     check_overrides_match_stored,
     check_parallel_plan,
@@ -45,21 +53,25 @@ from kiln_base.config import (
     check_same_model,
     check_world,
 )
+from kiln_base.errors import ConfigError
+from kiln_base.files import writable_dir_problem
 from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
+from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.pipeline import Pipeline, StagedModel, stage_model
 from parallelisms.seeded_init import init_layout_independent
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.checkpoint_folder import FolderClaim
-from trainer.components.data import DataLoader, build_dataloader, dataset_fingerprint
+from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.initial_load import InitialSource, check_not_inside
 from trainer.components.loss import LossFn
 from trainer.components.resume import file_sha256, training_settings
 from trainer.components.tokenizer import Tokenizer
+from trainer.components.validate import Validator
 
 logger = logging.getLogger("kiln")
 
@@ -76,24 +88,60 @@ def process_group(cfg: JobConfig) -> tuple[torch.device, PeerWatch | None]:
     return device, peers
 
 
-def model_args(m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None) -> ModelArgs:
+def model_args(
+    m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None, bos_id: int | None = None
+) -> ModelArgs:
     """The shape to build: the flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the model.*
     overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path (`source`),
-    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked."""
+    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked, every
+    field first (types and ranges), whichever source gave it: the launcher runs this before torchrun starts a
+    rank (train.check_config), each rank before it builds.
+
+    `seq_len`: the longest sequence the run feeds (the RoPE table's length); `bos_id`: the tokenizer's BOS, where
+    a document starts under a document-masked flavor."""
     if m.flavor == FROM_CHECKPOINT:
         assert source is not None, "config checks require checkpoint.initial_load_path with from_checkpoint"
         check_overrides_match_stored(m, dataclasses.asdict(source.args), source.path)
-        args = dataclasses.replace(source.args, max_seq_len=seq_len)
+        args = dataclasses.replace(source.args, max_seq_len=seq_len, bos_id=bos_id)
+        args.check_fields(source.path)
         check_model_shape(m, args.shape(), tokenizer_words, source.path)
         return args
     overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
     args = dataclasses.replace(
-        LLAMA3_FLAVORS[m.flavor], **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len}
+        LLAMA3_FLAVORS[m.flavor],
+        **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len, "bos_id": bos_id},
     )
+    args.check_fields(f"flavor {m.flavor} + model.* overrides")
     check_model_shape(m, args.shape(), tokenizer_words)
     if source is not None:
         check_same_model(m.flavor, source.path, first_difference(source.args, args))
     return args
+
+
+def memory_capacity(device: torch.device) -> tuple[int, str]:
+    """The bytes one rank's training state must fit in, and what they are: the GPU's memory on CUDA, else the
+    host's RAM (the smaller of the physical memory and a cgroup v2 limit, in a container)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the memory of {props.name} ({device})"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as f:
+            ram = min(ram, int(f.read().strip()))  # "max" (no limit) is a ValueError
+    return ram, "this machine's RAM"
+
+
+def check_fits(cfg: JobConfig, args: ModelArgs, shards: int, ranks_sharing: int, device: torch.device) -> None:
+    """The model's fp32 weights, gradients and AdamW state split over `shards` ranks, and one micro-batch's logits,
+    for the `ranks_sharing` ranks on one memory, fit that memory (kiln_base.config.check_model_memory; under
+    pipeline parallelism each rank's stages and a pipeline micro-batch); skipped by a dry run, which plans any size
+    and prints its own estimate."""
+    capacity, what = memory_capacity(device)
+    p = cfg.parallelism
+    plan = check_pipeline(cfg, args.shape())  # a pipeline rank holds its stages; the last one a micro-batch's logits
+    batch = cfg.training.local_batch_size if plan is None else p.pipeline_parallel_microbatch_size
+    tokens = batch * cfg.training.seq_len
+    check_model_memory(args.shape(), shards, tokens, p.tensor_parallel_degree, ranks_sharing, capacity, what, plan)
 
 
 def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> ParallelDims:
@@ -121,6 +169,27 @@ def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch
     return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
 
 
+def validator(
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    dims: ParallelDims,
+    device: torch.device,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    global_mean: Callable[[torch.Tensor], float],
+) -> Validator | None:
+    """With validation.enable, the validator: this data-parallel rank's slice of the validation set's batches
+    (opened afresh each validation), the training forward and loss (`loss_of`), the average over the ranks."""
+    if not cfg.validation.enable:
+        return None
+    dp_rank = dims.dp_mesh.get_local_rank()
+
+    def open_loader() -> DataLoader:
+        pin = device.type == "cuda"
+        return build_validation_loader(cfg.validation, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
+
+    return Validator(open_loader, loss_of, global_mean, cfg.validation.steps, device)
+
+
 @dataclass
 class BuiltModel:
     model: nn.Module  # on the meta device, float8-converted and parallelized: the Transformer, or under pipeline
@@ -128,7 +197,8 @@ class BuiltModel:
     parts: list[nn.Module]  # what FSDP and the init treat as whole models: [model], or the stage models
     args: ModelArgs
     n_params: int  # before sharding: the whole model's
-    flops_per_token: float  # 6N + 12LHQT at the configured seq_len (MFU's numerator per token)
+    flops_per_token: float  # at the configured seq_len under metrics.attention_flops (MFU's numerator per token)
+    flops_per_token_by_convention: dict[str, int]  # "full" (6N + 12LHQT) and "causal" (6N + 6LHQT)
     linear_fqns: list[str]  # every nn.Linear (Float8Linear included) of the parts, named before AC/compile wrapping
     tp_plan: dict[str, ParallelStyle]  # module FQN -> TP style applied; empty without TP
     pipeline: PipelinePlan | None = None  # the stages and the schedule; None without pipeline parallelism
@@ -153,7 +223,8 @@ def build_model(
         model = Transformer(args)
     if float8 is not None:
         float8.convert(model)
-    n_params, flops = num_params(model), flops_per_token(args, model, cfg.training.seq_len)
+    n_params = num_params(model)
+    flops = {c: flops_per_token(args, model, cfg.training.seq_len, c) for c in FLOP_CONVENTIONS}
     plan = check_pipeline(cfg, args.shape())
     if plan is None:
         parts: list[Transformer] = [model]
@@ -169,15 +240,28 @@ def build_model(
     for part in parts:
         tp_plan |= parallelize_llama(part, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8)
     whole = parts[0] if plan is None else StagedModel(parts)
-    return BuiltModel(whole, list(parts), args, n_params, flops, linear_fqns, tp_plan, plan, ids, elsewhere)
+    chosen = flops[cfg.metrics.attention_flops]
+    return BuiltModel(whole, list(parts), args, n_params, chosen, flops, linear_fqns, tp_plan, plan, ids, elsewhere)
 
 
-def pipeline(built: BuiltModel, dims: ParallelDims, device: torch.device, loss_fn: LossFn) -> Pipeline | None:
-    """Under pipeline parallelism, this rank's stages as torch PipelineStages and the schedule that runs them."""
+def pipeline(
+    cfg: JobConfig, built: BuiltModel, dims: ParallelDims, device: torch.device, loss_fn: LossFn
+) -> Pipeline | None:
+    """Under pipeline parallelism, this rank's stages as torch PipelineStages and the schedule that runs them (under
+    a document mask every stage is handed the token ids its mask is built from)."""
     if built.pipeline is None:
         return None
     group = dims.pp_mesh.get_group()
-    return Pipeline(built.parts, built.pipeline, built.stage_ids, group, device, loss_fn)
+    mbs, masks = cfg.parallelism.pipeline_parallel_microbatch_size, built.args.attn_mask_type != "causal"
+    return Pipeline(built.parts, built.pipeline, built.stage_ids, group, device, loss_fn, mbs, masks)
+
+
+def flops_line(flops: dict[str, int], chosen: str) -> str:
+    """Both FLOP counts per token and which one MFU and TFLOP/s use, for the start-up line and the dry run."""
+    return (
+        f"FLOPs/token: {flops['full'] / 1e9:.3f} G attention full (torchtitan, PaLM), {flops['causal'] / 1e9:.3f} G "
+        f"causal (Megatron-LM); MFU and TFLOP/s count {chosen} (metrics.attention_flops)"
+    )
 
 
 def init_seed(seed: int | None) -> int:
@@ -219,6 +303,23 @@ def checkpointer(
 
 def checkpoint_folder(cfg: JobConfig) -> str:
     return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+
+
+def check_output_folders(cfg: JobConfig, device_type: str) -> None:
+    """The folders this run writes besides its checkpoints (profiler traces, CUDA memory snapshots, TensorBoard)
+    are created and take a file now, on every rank: a read-only dump folder once ended a run in a segfault at its
+    first profiler trace."""
+    p, m, dump = cfg.profiling, cfg.metrics, cfg.job.dump_folder
+    snapshots = p.enable_memory_snapshot and device_type == "cuda"  # CPU runs write none (profiling.py warns)
+    for on, key, sub in (
+        (p.enable_profiling, "profiling.save_traces_folder", p.save_traces_folder),
+        (snapshots, "profiling.save_memory_snapshot_folder", p.save_memory_snapshot_folder),
+        (m.enable_tensorboard, "metrics.save_tb_folder", m.save_tb_folder),
+    ):
+        folder = os.path.join(dump, sub)
+        problem = writable_dir_problem(folder) if on else None
+        if problem is not None:
+            raise ConfigError(f"{key}: {folder} (under job.dump_folder) {problem}")
 
 
 def claim_checkpoint_folder(cfg: JobConfig) -> FolderClaim | None:

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from trainer.components.checkpoint import CheckpointManager
 from trainer.components.dist import set_collective_timeout
 from trainer.components.metrics import MetricsLogger
 from trainer.components.preemption import StopOnSignal
+from trainer.components.validate import ValidationResult, Validator
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
@@ -145,8 +147,30 @@ class NonFiniteHook(StepHook):
             self.guard.check(self.checkpoint_folder)
 
 
+def validation_due(step: int, freq: int) -> bool:
+    """torchtitan's rule: validate at step 1 and at every multiple of validation.freq."""
+    return step == 1 or step % freq == 0
+
+
+class ValidationHook(StepHook):
+    """validation.enable: the loss on held-out data after the optimizer step of step 1 and of every validation.freq-th
+    step (trainer/components/validate.py); the step's log line shows it. Its time is left out of tokens/s."""
+
+    def __init__(self, validator: Validator, freq: int, metrics: MetricsLogger) -> None:
+        self.validator, self.freq, self.metrics = validator, freq, metrics
+        self.result: ValidationResult | None = None  # this step's, when it validated
+
+    def post_step(self, out: StepOutput) -> None:
+        self.result = None
+        if validation_due(out.step, self.freq):
+            t0 = time.perf_counter()
+            self.result = self.validator.run(out.step)
+            self.metrics.discount(time.perf_counter() - t0)
+
+
 class MetricsHook(StepHook):
-    """The step line (and TensorBoard) on log steps; the only place the loop syncs with the host."""
+    """The step line (and TensorBoard) on log steps and validation steps; the only place the loop syncs with the
+    host."""
 
     def __init__(
         self,
@@ -155,18 +179,22 @@ class MetricsHook(StepHook):
         global_mean: Callable[[torch.Tensor], float],
         losses: list[float],
         force: Callable[[], bool] = lambda: False,
+        validation: ValidationHook | None = None,
     ) -> None:
         self.metrics, self.total_steps, self.global_mean, self.force = metrics, total_steps, global_mean, force
         self.losses = losses  # losses of logged steps, for tests and callers
+        self.validation = validation
 
     def post_step(self, out: StepOutput) -> None:
-        if not (self.metrics.should_log(out.step) or out.last or self.force()):
+        val = self.validation.result if self.validation is not None else None
+        if not (self.metrics.should_log(out.step) or out.last or self.force() or val is not None):
             return
         # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
         norm = out.grad_norm.full_tensor() if hasattr(out.grad_norm, "full_tensor") else out.grad_norm
         loss = self.global_mean(out.loss)
         self.losses.append(loss)
-        self.metrics.log(out.step, self.total_steps, loss, norm.item(), out.lr)
+        shown = None if val is None else (val.loss, val.perplexity)
+        self.metrics.log(out.step, self.total_steps, loss, norm.item(), out.lr, shown)
 
 
 class CheckpointHook(StepHook):
@@ -241,6 +269,19 @@ class StopHook(StepHook):
         )
 
 
+class StochasticRoundingSeedHook(StepHook):
+    """nvfp4 rounds gradients stochastically with torch's default generator (float8/nvfp4.py). Reseeding it before
+    every step from (training.seed, step, rank) makes those draws a function of the step alone, so a resumed run
+    rounds exactly as the straight run did (nothing else in a step draws from it). It sets what the step draws,
+    never what it computes with a given draw."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.seed, self.rank = seed, rank
+
+    def pre_step(self, step: int) -> None:
+        torch.manual_seed((self.seed * 1_000_003 + step * 4_099 + self.rank) % 2**63)
+
+
 class Float8ScheduleHook(StepHook):
     """float8.disable_after_step: the switch to high precision before the step after it (float8/converter.py)."""
 
@@ -284,11 +325,13 @@ def build_hooks(
     nan_guard: NonFiniteGuard,
     global_mean: Callable[[torch.Tensor], float],
     losses: list[float],
+    validator: Validator | None = None,
     pp_group: dist.ProcessGroup | None = None,
 ) -> list[StepHook]:
     """The hooks phase of the build: the loop's non-training concerns, in the order they run. `losses` collects the
     logged losses; `global_mean` averages a loss over the data-parallel ranks (a collective, log steps only);
-    `pp_group`: under pipeline parallelism the pipeline's ranks (the float8 check and report cover every stage)."""
+    `validator` (validation.enable) validates at step 1 and every validation.freq steps; `pp_group`: under pipeline
+    parallelism the pipeline's ranks (the float8 check and report cover every stage)."""
     rank = dist.get_rank()
     f8, t = cfg.float8, cfg.training
     stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
@@ -302,6 +345,8 @@ def build_hooks(
         hooks.append(Float8ScheduleHook(PrecisionSchedule(model, after, t.steps)))
     if float8_on and not (after and start_step >= after):  # resumed past the switch: nothing to check
         hooks.append(Float8CheckHook(model, f8, fsdp_enabled, pp_group))
+    if float8_on and f8.is_nvfp4 and t.seed is not None:
+        hooks.append(StochasticRoundingSeedHook(t.seed, rank))
     if float8_on and f8.numerics_log_freq:
         folder = os.path.join(cfg.job.dump_folder, "float8_numerics")
         report = NumericsReport(f8, folder, rank, metrics.is_logging_rank, metrics.writer)
@@ -313,10 +358,14 @@ def build_hooks(
     long_steps = compiling_steps(start_step, t.compile, f8.numerics_log_freq)
     if t.compile and float8_on and after:
         long_steps.add(max(after, start_step) + 1)  # the blocks recompile at the switch
+    validation = ValidationHook(validator, cfg.validation.freq, metrics) if validator is not None else None
+    if validation is not None and t.compile:  # the first validation compiles the blocks' inference graphs
+        long_steps.add(1 if start_step == 0 else (start_step // validation.freq + 1) * validation.freq)
     return [
         *hooks,
         NonFiniteHook(nan_guard, must_check, checkpointer.folder),  # before metrics and saves
-        MetricsHook(metrics, t.steps, global_mean, losses, force=lambda: stop.stopping),
+        *([validation] if validation is not None else []),  # after the guard: never validates a non-finite step
+        MetricsHook(metrics, t.steps, global_mean, losses, force=lambda: stop.stopping, validation=validation),
         CheckpointHook(checkpointer),
         CollectiveTimeoutHook(long_steps, cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds),
         StopHook(stop, checkpointer, t.steps),  # last: saves and raises TrainingStopped

@@ -16,8 +16,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from kiln_base.config import CPU_BF16_COST, JobConfig, grad_accum_steps, resolve_mixed_precision
+from kiln_base.config import (
+    CPU_BF16_COST,
+    JobConfig,
+    grad_accum_steps,
+    resolve_mixed_precision,
+    validation_shape,
+)
 from kiln_base.errors import CheckpointError
+from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallelize import loss_parallel_enabled
 from parallelisms.pipeline import clip_grad_norm_
 from trainer import build
@@ -29,6 +36,7 @@ from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume
+from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
 from trainer.tools.guards import NonFiniteGuard
@@ -43,6 +51,19 @@ def log_precision(param: str, precision: str, device_type: str) -> None:
     logger.info(f"Mixed precision: {precision} compute, float32 master weights and optimizer state ({how})")
     if precision == "bfloat16" and device_type == "cpu":
         logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
+
+
+def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_type: str) -> None:
+    """One start-up line on how the model attends (models/attention.py), and what runs it on this device."""
+    if mask_type == "causal":
+        logger.info("Attention: causal (scaled_dot_product_attention)")
+        return
+    kernel = {"flex": "flex_attention", "varlen": "varlen_attn"}[attn_type]
+    if attn_type == "flex" and device_type == "cpu":
+        kernel = "scaled_dot_product_attention with the block mask evaluated densely (no flex backward on a CPU)"
+    logger.info(
+        f"Attention: {mask_type}: causal within each document, a document starting at token {bos_id} (BOS); {kernel}"
+    )
 
 
 class Trainer:
@@ -66,10 +87,16 @@ class Trainer:
         self.float8 = build.float8_converter(cfg.float8, cfg.parallelism.tensor_parallel_degree)
         self.device, self.peers = build.process_group(cfg)
         self.checkpoint_claim = build.claim_checkpoint_folder(cfg)
+        build.check_output_folders(cfg, self.device.type)
         source = open_source(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        args = build.model_args(cfg.model, t.seq_len, self.tokenizer.n_words, source)
+        # The RoPE table covers the longest sequence the run feeds: training's, or validation's when longer.
+        longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
+        args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
         self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
+        shards = self.parallel_dims.dp_shard * self.parallel_dims.tp
+        local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        build.check_fits(cfg, args, shards, local_ranks, self.device)
         dp_degree = self.parallel_dims.dp_degree
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
         set_determinism(t.seed, t.deterministic)
@@ -77,14 +104,18 @@ class Trainer:
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
+        flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
         logger.info(
-            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token, vocab {args.vocab_size}"
+            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
+            f"{args.vocab_size}, seq {t.seq_len}; {flops}"
         )
+        log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
         build.materialize(built.parts, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
+        d = self.parallel_dims
+        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard, d.tp, self.device.type, d.pp))
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if not self.parallel_dims.dp_enabled and self.precision == "bfloat16"
@@ -92,7 +123,10 @@ class Trainer:
         )
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
-        self.pipeline = build.pipeline(built, self.parallel_dims, self.device, self.loss_fn)  # None without PP
+        self.pipeline = build.pipeline(cfg, built, self.parallel_dims, self.device, self.loss_fn)  # None without PP
+        self.validator = build.validator(
+            cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
+        )
 
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -118,10 +152,11 @@ class Trainer:
                 logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
         self.nan_guard = NonFiniteGuard(self.device)
 
-        self.is_logging_rank = str(dist.get_rank()) in os.environ.get("LOG_RANK", "0").split(",")
-        tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, f"rank_{dist.get_rank()}")
+        log_ranks = os.environ.get("LOG_RANK", "0").split(",")
+        self.is_logging_rank = str(dist.get_rank()) in log_ranks
+        writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
         self.metrics = MetricsLogger(
-            cfg.metrics, self.device, self.flops_per_token, tb_dir, self.is_logging_rank, self.float8 is not None
+            cfg.metrics, self.device, self.flops_per_token, writer, self.is_logging_rank, self.float8 is not None
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
@@ -142,6 +177,17 @@ class Trainer:
             logits = self.model(inputs)
         return self.loss_fn(logits, labels)
 
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The forward and loss of one batch as training computes them, without backward (validation; the caller
+        holds torch.no_grad): the mean loss over this rank's tokens (under pipeline parallelism, through every stage:
+        on every rank of the pipeline)."""
+        if self.pipeline is not None:
+            with self.amp, self.loss_context():
+                return self.pipeline.evaluate(inputs, labels)
+        with self.loss_context():
+            loss = self.forward_loss(inputs, labels)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -155,10 +201,12 @@ class Trainer:
         return loss.detach()
 
     def report_saved_activations(self) -> SavedActivationReport:
-        """One eager forward+backward on a real batch under the configured setup; log the bytes kept for backward."""
+        """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
+        training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
+        saved_activations.py), the rest is measured eagerly, and the log says which is which."""
         inputs, labels = next(self.dataloader)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with torch.compiler.set_stance("force_eager"), self.loss_context():  # compiled code hides saved tensors
+        with self.loss_context():
             report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
@@ -233,6 +281,7 @@ class Trainer:
             self.nan_guard,
             self._global_mean_loss,
             self.losses,
+            self.validator,
             self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
         )
 

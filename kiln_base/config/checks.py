@@ -1,18 +1,22 @@
 """Every config check, in one place, run at the moment its facts are known:
 
-    check_config(cfg)                      the config alone (ranges, flag combinations, files named): parse time
+    check_config(cfg)                      the config alone (ranges, flag combinations, files and packages): parse time
     check_world(cfg, world_size)           + the world size: the launcher before torchrun, each rank at start
+    check_model_fields(...)                + a model's fields, from any source: before anything computes with them
     check_model_shape(...)                 + the model's shape: the launcher and each rank, before any build
+    check_model_memory(...)                + the machine's memory: the launcher and each rank, before any build
     check_parallel_plan(...)               + the shape, the degrees and the device type: each rank, before the build
     check_pipeline(cfg, shape)             + the shape: the pipeline split (the launcher with pipelining on, each rank)
     check_float8_device(...)               + what the GPUs and torch can do: each rank, before the build
 
-Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint), so this module stays
-standard-library only and instant. A failed check raises ConfigError: one line naming the key and what is valid.
+Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint; check_config only looks
+for the files and packages the config names), so this module stays standard-library only and instant. A failed check
+raises ConfigError: one line naming the key and what is valid.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -22,14 +26,16 @@ from typing import Any
 
 from kiln_base.config.schema import (
     FROM_CHECKPOINT,
-    MXFP8_BLOCK,
     PP_SCHEDULES,
     PP_ZERO_BUBBLE,
     Float8,
     JobConfig,
     Model,
     Parallelism,
+    Range,
     Training,
+    resolve_mixed_precision,
+    validation_shape,
 )
 from kiln_base.errors import ConfigError
 
@@ -80,23 +86,31 @@ def check_config(cfg: JobConfig) -> None:
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
-    tokens = t.local_batch_size * t.seq_len
+    tokens, block = t.local_batch_size * t.seq_len, cfg.float8.block_size
     _check(
-        not (cfg.float8.enable_float8_linear and cfg.float8.is_mxfp8) or tokens % MXFP8_BLOCK == 0,
-        f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {MXFP8_BLOCK} tokens, but "
-        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {MXFP8_BLOCK}",
+        not cfg.float8.enable_float8_linear or block is None or tokens % block == 0,
+        f"float8.recipe_name {cfg.float8.recipe}: the weight-gradient GEMM scales blocks of {block} tokens, but "
+        f"training.local_batch_size x seq_len = {tokens}; make it a multiple of {block}",
     )
     if not cfg.job.dry_run and not cfg.job.print_config:
+        found = "not a regular file" if os.path.exists(cfg.model.tokenizer_path) else "file not found"
         _check(
             os.path.isfile(cfg.model.tokenizer_path),
-            f"model.tokenizer_path: file not found: {cfg.model.tokenizer_path} "
+            f"model.tokenizer_path: {found}: {cfg.model.tokenizer_path} "
             "(point it at a tiktoken BPE file such as Llama3's tokenizer.model)",
         )
-        if t.dataset_path is not None:
+        val_path = cfg.validation.dataset_path if cfg.validation.enable else None  # read only when validating
+        for section, path in (("training", t.dataset_path), ("validation", val_path)):
             _check(
-                os.path.exists(t.dataset_path),
-                f"training.dataset_path: not found: {t.dataset_path} (a jsonl/json/parquet/txt file or folder)",
+                path is None or os.path.exists(path),
+                f"{section}.dataset_path: not found: {path} (a jsonl/json/parquet/txt file or folder)",
             )
+        # find_spec looks the package up without importing it (wandb takes ~2 s to import).
+        _check(
+            not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None,
+            "metrics.enable_wandb needs the wandb package, which is not installed (pip install 'wandb>=0.17', or "
+            "kiln's extra: pip install -e '.[wandb]'); or drop metrics.enable_wandb",
+        )
 
 
 def _check_float8_flags(cfg: Float8) -> None:
@@ -112,6 +126,7 @@ def _check_float8_flags(cfg: Float8) -> None:
                 ("auto_filter_small_kn", cfg.auto_filter_small_kn),
                 ("numerics_log_freq", cfg.numerics_log_freq > 0),
                 ("high_precision_first_last", cfg.high_precision_first_last > 0),
+                ("high_precision_last", cfg.high_precision_last >= 0),
                 ("disable_after_step", cfg.disable_after_step > 0),
             )
             if on
@@ -126,10 +141,21 @@ def _check_float8_flags(cfg: Float8) -> None:
             f"float8.enable_fsdp_float8_all_gather needs tensorwise scaling, but float8.recipe_name is "
             f"'{cfg.recipe}' (weights are scaled per row); turn the all-gather off or use recipe_name tensorwise"
         )
-    if cfg.auto_filter_small_kn and cfg.is_mxfp8:
+    if cfg.auto_filter_small_kn and cfg.block_size is not None:
         raise ConfigError(
             f"float8.auto_filter_small_kn: torchao has no size thresholds for recipe_name {cfg.recipe}; "
             "drop the flag and name the Linears to keep in float8.filter_fqns"
+        )
+    if cfg.is_nvfp4 and not cfg.emulate:
+        raise ConfigError(
+            "float8.recipe_name nvfp4 runs emulated only: torchao's NVFP4 training kernels need Triton and a Blackwell "
+            "GPU (SM100) and are not wired into kiln; add --float8.emulate (torchao's NVFP4 numerics, high-precision "
+            "matmuls, any device)"
+        )
+    if cfg.is_nvfp4 and cfg.numerics_log_freq:
+        raise ConfigError(
+            "float8.numerics_log_freq: the numerics observatory has no NVFP4 statistics (it measures float8 casts); "
+            "drop the flag with recipe_name nvfp4"
         )
     if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
         raise ConfigError(
@@ -143,17 +169,20 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
     check_pipeline)."""
     p = cfg.parallelism
     check_microbatches(p, cfg.training.local_batch_size)
+    if cfg.validation.enable:  # validation runs through the pipeline too, in micro-batches of the same size
+        check_microbatches(p, validation_shape(cfg.validation, cfg.training)[0], "validation.local_batch_size")
     if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and cfg.training.compile:
         raise ConfigError(
             f"{PP}schedule {p.pipeline_parallel_schedule} splits each backward into input and weight gradients, "
             "which torch does not run on compiled stages; drop --training.compile or use Interleaved1F1B"
         )
     f8, tokens = cfg.float8, p.pipeline_parallel_microbatch_size * cfg.training.seq_len
-    if f8.enable_float8_linear and f8.is_mxfp8 and tokens % MXFP8_BLOCK:
+    block = f8.block_size  # MXFP8 and NVFP4 scale the weight-gradient GEMM's tokens in blocks
+    if f8.enable_float8_linear and block is not None and tokens % block:
         raise ConfigError(
-            f"float8.recipe_name {f8.recipe}: the weight-gradient GEMM scales blocks of {MXFP8_BLOCK} tokens of each "
+            f"float8.recipe_name {f8.recipe}: the weight-gradient GEMM scales blocks of {block} tokens of each "
             f"pipeline micro-batch, but {PP}microbatch_size x training.seq_len = {tokens}; make it a multiple of "
-            f"{MXFP8_BLOCK}"
+            f"{block}"
         )
     ac = cfg.activation_checkpoint
     if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and ac.mode == "selective" and ac.selective_ac_option == "op":
@@ -220,6 +249,12 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(
             f"training.seq_len ({cfg.training.seq_len}) must be divisible by tensor_parallel_degree ({tp})"
         )
+    val_seq_len = validation_shape(cfg.validation, cfg.training)[1]
+    if cfg.validation.enable and val_seq_len % tp:
+        raise ConfigError(
+            f"validation.seq_len ({val_seq_len}) must be divisible by tensor_parallel_degree ({tp}) "
+            "(unset, it is training.seq_len)"
+        )
 
 
 # ----------------------------------------------------------------------------- the model's shape
@@ -236,10 +271,80 @@ class ModelShape:
     n_kv_heads: int  # n_heads when the flavor has plain multi-head attention
     ffn_hidden_dim: int
     vocab_size: int
-    tied_embeddings: bool = False  # the output layer shares the embedding table (Llama 3.2 1B, 3B)
+    attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
+    tied: bool = False  # tie_word_embeddings: the output layer is the embedding (Llama 3.2 1B, 3B)
 
 
 SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
+
+# Every field of models.args.ModelArgs, its type and its valid values, whichever source gave it (a flavor and
+# model.* overrides, a Hugging Face config.json, a kiln.json): checked before anything computes with the values.
+# Sizes stay below 2**31 (kernels index with int32); how large a model the machine holds is check_model_memory's.
+_SIZE = Range(lo=1, hi=2**31 - 1)
+MODEL_FIELDS: dict[str, tuple[str, Range | None]] = {
+    "dim": ("int", _SIZE),
+    "n_layers": ("int", _SIZE),
+    "n_heads": ("int", _SIZE),
+    "n_kv_heads": ("int or null", _SIZE),
+    "vocab_size": ("int", _SIZE),
+    "multiple_of": ("int", _SIZE),
+    "ffn_dim_multiplier": ("number or null", Range(lo=0, lo_open=True, hi=1_000_000)),
+    "norm_eps": ("number", Range(lo=0, lo_open=True, hi=1)),
+    "rope_theta": ("number", Range(lo=0, lo_open=True)),
+    "rope_scaling": ("bool", None),
+    "rope_scaling_factor": ("number", Range(lo=0, lo_open=True)),
+    "rope_low_freq_factor": ("number", Range(lo=0, lo_open=True)),
+    "rope_high_freq_factor": ("number", Range(lo=0, lo_open=True)),
+    "rope_original_max_seq_len": ("int", _SIZE),
+    "max_seq_len": ("int", _SIZE),
+    "context_len": ("int", _SIZE),
+    "depth_init": ("bool", None),
+    "tie_word_embeddings": ("bool", None),
+    "attn_type": ("str", None),
+    "attn_mask_type": ("str", None),
+    "bos_id": ("int or null", Range(lo=0, hi=2**31 - 1)),
+}
+MODEL_CHOICES: dict[str, tuple[str, ...]] = {
+    "attn_type": ("sdpa", "flex", "varlen"),
+    "attn_mask_type": ("causal", "block_causal"),
+}
+
+
+def _of_type(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("or null")
+    if kind.startswith("int"):
+        return type(value) is int
+    if kind.startswith("number"):
+        return type(value) in (int, float)
+    if kind.startswith("str"):
+        return type(value) is str
+    return type(value) is bool
+
+
+def check_model_fields(values: Mapping[str, Any], where: str) -> None:
+    """Each ModelArgs field in `values` (field name -> value) has its type and lies in its range (MODEL_FIELDS),
+    before anything divides by a head count or allocates a layer: ConfigError naming `where` and the field."""
+    for name, value in values.items():
+        if name not in MODEL_FIELDS:
+            raise ConfigError(
+                f"{where}: model field '{name}' is unknown to this kiln (fields: {', '.join(MODEL_FIELDS)})"
+            )
+        kind, valid = MODEL_FIELDS[name]
+        if not _of_type(value, kind):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ConfigError(f"{where}: model {name} must be {'an' if kind[0] == 'i' else 'a'} {kind}, got {shown}")
+        if valid is not None and value is not None and not valid.contains(value):
+            raise ConfigError(f"{where}: model {name} must be {valid.describe(value)}, got {value!r}")
+        if name in MODEL_CHOICES and value not in MODEL_CHOICES[name]:
+            raise ConfigError(f"{where}: model {name} must be one of {', '.join(MODEL_CHOICES[name])}, got {value!r}")
+    if values.get("rope_scaling") and values.get("rope_high_freq_factor", 4.0) <= values.get(
+        "rope_low_freq_factor", 1.0
+    ):
+        raise ConfigError(
+            f"{where}: rope scaling needs rope_high_freq_factor > rope_low_freq_factor (it divides by their "
+            f"difference), got {values.get('rope_high_freq_factor')} and {values.get('rope_low_freq_factor')}"
+        )
 
 
 def check_overrides_match_stored(m: Model, stored: Mapping[str, Any], source: str) -> None:
@@ -265,7 +370,8 @@ def check_same_model(flavor: str, source: str, difference: tuple[str, Any, Any] 
 
 def check_model_shape(m: Model, shape: ModelShape, tokenizer_words: int, source: str = "") -> None:
     """The shape to build (flavor + model.* overrides, or the one stored at `source`) against the tokenizer and
-    itself: whole heads of even size (RoPE rotates pairs), whole query groups, room for every token id."""
+    itself: whole heads of even size (RoPE rotates pairs), whole query groups, room for every token id. The fields
+    are in range already (check_model_fields)."""
     if shape.vocab_size < tokenizer_words:
         if source:
             raise ConfigError(
@@ -281,6 +387,96 @@ def check_model_shape(m: Model, shape: ModelShape, tokenizer_words: int, source:
         raise ConfigError(f"{heads}: n_heads must divide dim into heads of even size (RoPE rotates pairs)")
     if shape.n_heads % shape.n_kv_heads:
         raise ConfigError(f"{heads}: n_kv_heads must divide n_heads (each key/value head serves a whole group)")
+
+
+# fp32 master weight (4) + fp32 gradient (4) + AdamW's two fp32 moments (8): what training keeps per parameter,
+# before activations (docs/config.md's dry run adds those).
+TRAINING_BYTES_PER_PARAM = 16
+
+
+def _layer_params(shape: ModelShape) -> int:
+    """Parameters of one block: q/k/v/o, SwiGLU, two norms."""
+    head_dim = shape.dim // shape.n_heads
+    attention = 2 * shape.dim * shape.dim + 2 * shape.dim * shape.n_kv_heads * head_dim
+    return attention + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
+
+
+def model_params(shape: ModelShape) -> int:
+    """Parameters of a Llama 3 model of this shape (embedding, per layer q/k/v/o, SwiGLU, two norms; final norm;
+    the output layer unless tied): models.flops.num_params counts the same on a built model."""
+    embedding = shape.vocab_size * shape.dim
+    return embedding * (1 if shape.tied else 2) + shape.n_layers * _layer_params(shape) + shape.dim
+
+
+def stage_params(shape: ModelShape, modules: tuple[str, ...] | list[str]) -> int:
+    """Parameters of the modules of one pipeline stage (tok_embeddings, layers.N, norm, output)."""
+    sizes = {"tok_embeddings": shape.vocab_size * shape.dim, "norm": shape.dim, "output": shape.vocab_size * shape.dim}
+    blocks = sum(m.startswith("layers.") for m in modules)
+    return blocks * _layer_params(shape) + sum(sizes.get(m, 0) for m in modules)
+
+
+def pipeline_rank_params(shape: ModelShape, plan: PipelinePlan, pp_rank: int) -> int:
+    """Parameters of the stages rank `pp_rank` of a pipeline group holds."""
+    return sum(stage_params(shape, plan.stages[i]) for i in plan.stage_ids(pp_rank))
+
+
+def training_bytes(shape: ModelShape, shards: int, plan: PipelinePlan | None = None) -> int:
+    """Bytes one rank holds for weights, gradients and AdamW state with the model split over `shards` ranks (FSDP
+    shard degree x TP degree; replicas each hold their own copy); under pipeline parallelism (`plan`) the stages of
+    the pipeline rank holding the most."""
+    params = model_params(shape)
+    if plan is not None:
+        params = max(pipeline_rank_params(shape, plan, r) for r in range(plan.degree))
+    return params * TRAINING_BYTES_PER_PARAM // max(shards, 1)
+
+
+def check_model_memory(
+    shape: ModelShape,
+    shards: int,
+    tokens: int,
+    tp: int,
+    ranks_sharing: int,
+    capacity: int,
+    what: str,
+    plan: PipelinePlan | None = None,
+) -> None:
+    """What training must hold fits in `capacity` bytes (`what`: that memory, for the message), or no rank starts
+    building: the model's fp32 weights, gradients and AdamW state (16 bytes a parameter, / `shards`: FSDP shard
+    degree x TP degree) and the fp32 logits of one micro-batch of `tokens` tokens with their gradient (8 bytes x
+    vocabulary a token, / `tp`), for each of the `ranks_sharing` ranks on that memory (a CPU node's ranks share its
+    RAM; a GPU is one rank's). A model that cannot fit would allocate for minutes before the OOM killer ends it
+    without a word. A lower bound (other activations come on top); a dry run plans any size.
+
+    Under pipeline parallelism (`plan`; `tokens` then a pipeline micro-batch's) each rank holds its stages'
+    parameters, and the last stage's rank the logits: one rank on a memory is checked as the pipeline rank that
+    needs the most, ranks sharing one (whole pipelines on a CPU node) as the pipeline's mean."""
+    bytes_per = TRAINING_BYTES_PER_PARAM
+    logits = tokens * shape.vocab_size * 8 // max(tp, 1)
+    if plan is None:
+        state = training_bytes(shape, shards)
+        need = (state + logits) * ranks_sharing
+        held = ""
+    else:
+        ranks = range(plan.degree)
+        needs = [
+            pipeline_rank_params(shape, plan, r) * bytes_per // max(shards, 1)
+            + (logits if any("output" in plan.stages[i] for i in plan.stage_ids(r)) else 0)
+            for r in ranks
+        ]
+        worst = max(ranks, key=lambda r: needs[r])
+        state = pipeline_rank_params(shape, plan, worst) * bytes_per // max(shards, 1)
+        need = needs[worst] if ranks_sharing == 1 else sum(needs) * ranks_sharing // plan.degree
+        held = f"; pipeline rank {worst} holds {pipeline_rank_params(shape, plan, worst):,} of them"
+    if need > capacity:
+        gib = 2**30
+        raise ConfigError(
+            f"the model ({model_params(shape):,} parameters: {shape.n_layers} layers, dim {shape.dim}, vocab "
+            f"{shape.vocab_size}{held}) needs at least {need / gib:,.1f} GiB: {state / gib:,.1f} GiB a rank for fp32 "
+            f"weights, gradients and AdamW state ({bytes_per} bytes a parameter / {max(shards, 1)} "
+            f"shards) and {logits / gib:,.1f} GiB of logits, x {ranks_sharing} rank(s), more than {what} "
+            f"({capacity / gib:,.1f} GiB); use a smaller model.* shape, batch or tokenizer, or more ranks "
+            "(--job.dry_run plans any size)"
+        )
 
 
 # ----------------------------------------------------------------------------- the parallel plan
@@ -299,6 +495,19 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")
     check_pipeline(cfg, shape)
+    if shape.attn_type == "varlen" and device_type != "cuda":
+        flavor = cfg.model.flavor
+        flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
+        raise ConfigError(
+            f"model.flavor {flavor}: varlen attention runs flash attention's variable-length kernel, which needs "
+            f"CUDA; this run is on {device_type}: use {flex} (the same document mask, through flex attention)"
+        )
+    param = cfg.training.mixed_precision_param
+    if shape.attn_type == "varlen" and resolve_mixed_precision(param, device_type) != "bfloat16":
+        raise ConfigError(
+            f"model.flavor {cfg.model.flavor}: varlen attention (flash attention) computes in bfloat16 or float16, "
+            f"but training.mixed_precision_param is {param}; use bfloat16 (or auto), or a _flex flavor"
+        )
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     if p.enable_async_tensor_parallel:
         if device_type != "cuda":
@@ -420,16 +629,17 @@ def _check_model_parts(parts: list[list[str]], n_layers: int) -> list[list[str]]
     return parts
 
 
-def check_microbatches(p: Parallelism, local_batch_size: int) -> int:
-    """The micro-batches of one schedule step: local batch / micro-batch size, as the schedule can run them."""
+def check_microbatches(p: Parallelism, local_batch_size: int, key: str = "training.local_batch_size") -> int:
+    """The micro-batches of one schedule step: local batch / micro-batch size, as the schedule can run them (`key`:
+    the batch size's key, training's or validation's)."""
     mbs, name, degree = p.pipeline_parallel_microbatch_size, p.pipeline_parallel_schedule, p.pipeline_parallel_degree
     if local_batch_size % mbs:
         raise ConfigError(
-            f"training.local_batch_size ({local_batch_size}) must be a multiple of {PP}microbatch_size ({mbs}): "
+            f"{key} ({local_batch_size}) must be a multiple of {PP}microbatch_size ({mbs}): "
             "the pipeline splits each local batch into micro-batches of that size"
         )
     n = local_batch_size // mbs
-    have = f"training.local_batch_size {local_batch_size} / {PP}microbatch_size {mbs} = {n} micro-batches"
+    have = f"{key} {local_batch_size} / {PP}microbatch_size {mbs} = {n} micro-batches"
     if name == "1F1B" and n < degree:  # torch's Schedule1F1B refuses fewer micro-batches than stages
         raise ConfigError(f"{PP}schedule 1F1B needs at least {degree} micro-batches (one per stage); {have}")
     rounds = max(1, n // degree)
@@ -494,7 +704,7 @@ def check_pipeline(cfg: JobConfig, shape: ModelShape) -> PipelinePlan | None:
     p = cfg.parallelism
     if p.pipeline_parallel_degree == 1:
         return None
-    if shape.tied_embeddings:
+    if shape.tied:
         raise ConfigError(
             f"{PP}degree {p.pipeline_parallel_degree}: this model ties its output layer to the embedding table "
             "(Llama 3.2), which a pipeline puts on different stages; train it without pipeline parallelism"

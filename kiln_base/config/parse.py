@@ -22,6 +22,9 @@ from kiln_base.config.schema import JobConfig
 from kiln_base.config.torchtitan_compat import resolve as resolve_torchtitan_names
 from kiln_base.config.values import lookup, set_value
 from kiln_base.errors import ConfigError
+from kiln_base.files import FileRefused, MiB, read_bounded
+
+MAX_CONFIG_BYTES = 1 * MiB  # kiln's own configs are ~2 KB
 
 # The kiln checkout (or editable install): where the default config and the bundled assets live.
 KILN_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,6 +57,8 @@ def _resolve_paths(cfg: JobConfig) -> None:
     cfg.model.tokenizer_path = resolve_input_path(cfg.model.tokenizer_path)
     if cfg.training.dataset_path is not None:
         cfg.training.dataset_path = resolve_input_path(cfg.training.dataset_path)
+    if cfg.validation.dataset_path is not None:
+        cfg.validation.dataset_path = resolve_input_path(cfg.validation.dataset_path)
     if cfg.checkpoint.initial_load_path is not None:
         cfg.checkpoint.initial_load_path = resolve_output_path(cfg.checkpoint.initial_load_path)
 
@@ -61,13 +66,14 @@ def _resolve_paths(cfg: JobConfig) -> None:
 def _load_toml(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         raise ConfigError(f"--job.config_file {path} is a directory; give a TOML file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"config file not found: {path}")
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_bounded(path, MAX_CONFIG_BYTES, "a TOML config")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except FileRefused as e:
+        raise ConfigError(f"config file {e}") from None
     if raw.startswith(b"\xef\xbb\xbf"):  # TOML forbids a BOM; tomllib's own message would be "Invalid statement"
         raise ConfigError(f"{path}: starts with a UTF-8 byte-order mark (BOM); save the file as UTF-8 without BOM")
     try:
@@ -81,6 +87,8 @@ def _load_toml(path: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # message already carries "(at line N, column M)"
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except RecursionError:  # 100,000 nested `[`: deeper than the parser recurses
+        raise ConfigError(f"{path}: malformed TOML: arrays or tables nested deeper than kiln parses") from None
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:

@@ -78,6 +78,9 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, valid: R
 
 
 DTYPES = ("bfloat16", "float32")
+# Gradient reductions (training.mixed_precision_reduce): a dtype, or bfloat16 on the wire with a float32 sum.
+BF16_WIRE = "bfloat16_wire"
+REDUCE_DTYPES = ("float32", "bfloat16", BF16_WIRE)
 
 # bf16 autocast against float32 on CPUs, debug model (docs/config.md, "Mixed precision"): no CPU measured so far
 # runs bf16 faster.
@@ -96,7 +99,23 @@ def resolve_mixed_precision(param: str, device_type: str) -> str:
     return "bfloat16" if device_type == "cuda" else "float32"
 
 
+# metrics.attention_flops: the two conventions for counting attention matmul FLOPs (models/flops.py).
+ATTENTION_FLOPS = ("full", "causal")
+
 FROM_CHECKPOINT = "from_checkpoint"  # model.flavor: build the shape stored with checkpoint.initial_load_path
+
+# Meta's published shapes (models/args.py builds each). Every one also comes as document-masked variants that
+# differ only in attention (torchtitan's naming: debugmodel_flex_attn, debugmodel_varlen_attn, 8B_flex, 8B_varlen).
+BASE_FLAVORS = ("debugmodel", "8B", "70B", "405B", "3.1-8B", "3.1-70B", "3.1-405B", "3.2-1B", "3.2-3B")
+ATTENTION_VARIANTS = ("flex", "varlen")  # models.args: attn_type, with attn_mask_type block_causal
+
+
+def attention_flavor(base: str, attn_type: str) -> str:
+    """The flavor name of `base` with `attn_type` attention: torchtitan's `debugmodel_flex_attn`, `8B_flex`."""
+    return f"{base}_{attn_type}_attn" if base == "debugmodel" else f"{base}_{attn_type}"
+
+
+FLAVORS = (*BASE_FLAVORS, *(attention_flavor(b, a) for a in ATTENTION_VARIANTS for b in BASE_FLAVORS))
 
 
 @dataclass
@@ -114,19 +133,10 @@ class Model:
     flavor: str = _f(
         "debugmodel",
         "Model shape: Llama 3 (8B, 70B, 405B), 3.1 (llama3 rope scaling, 131072 context), 3.2 (tied embeddings), or "
-        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json).",
-        (
-            "debugmodel",
-            "8B",
-            "70B",
-            "405B",
-            "3.1-8B",
-            "3.1-70B",
-            "3.1-405B",
-            "3.2-1B",
-            "3.2-3B",
-            FROM_CHECKPOINT,
-        ),
+        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json). "
+        "<flavor>_flex (debugmodel_flex_attn) and <flavor>_varlen (debugmodel_varlen_attn, CUDA only): the same "
+        "shape with document-masked attention (block_causal: no attention across the BOS that starts a document).",
+        (*FLAVORS, FROM_CHECKPOINT),
     )
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
     n_layers: int | None = _f(
@@ -203,7 +213,12 @@ class Training:
         "(measured faster there; docs/config.md).",
         ("auto", *DTYPES),
     )
-    mixed_precision_reduce: str = _f("float32", "Gradient reduction dtype under FSDP.", DTYPES)
+    mixed_precision_reduce: str = _f(
+        "float32",
+        "Precision of every gradient reduction (FSDP reduce-scatter, HSDP all-reduce, TP all-reduce of partial "
+        "gradients): float32, bfloat16, or bfloat16_wire (bfloat16 on the wire, float32 sum; docs/parallelisms.md).",
+        REDUCE_DTYPES,
+    )
     compile: bool = _f(False, "torch.compile each transformer block.")
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (automatic GC is disabled).", valid=AT_LEAST_1)
     seed: int | None = _f(
@@ -225,6 +240,37 @@ PP_SCHEDULES = {
 }
 # Zero-bubble schedules split each backward into input and weight gradients; torch refuses compiled stages there.
 PP_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+@dataclass
+class Validation:
+    """torchtitan's [validation]: the loss on held-out data every `freq` steps, outside training (no gradients, no
+    change to the training data's position, the RNG or the weights)."""
+
+    enable: bool = _f(False, "Measure the loss on held-out data at step 1 and every validation.freq steps.")
+    dataset: str = _f(
+        "kiln_corpus_validation",
+        "Registered dataset name: kiln_corpus_validation (the bundled corpus's held-out split), c4_validation "
+        "(allenai/c4 en, split validation, streamed).",
+    )
+    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides validation.dataset.")
+    local_batch_size: int | None = _f(
+        None, "Sequences per device per validation batch; unset = training.local_batch_size.", valid=AT_LEAST_1
+    )
+    seq_len: int | None = _f(None, "Tokens per validation sequence; unset = training.seq_len.", valid=AT_LEAST_1)
+    freq: int = _f(10, "Validate at step 1 and every N steps.", valid=AT_LEAST_1)
+    steps: int = _f(
+        -1,
+        "Validation batches per validation (each over all data-parallel ranks), from the set's start; -1 = the "
+        "whole set. A set shorter than this is validated whole, with a warning.",
+        valid=Range(lo=1, also=(-1,), note="-1 = the whole validation set"),
+    )
+
+
+def validation_shape(v: Validation, t: Training) -> tuple[int, int]:
+    """(local batch size, seq_len) of validation batches: validation's keys, training's where they are unset."""
+    batch = t.local_batch_size if v.local_batch_size is None else v.local_batch_size
+    return batch, t.seq_len if v.seq_len is None else v.seq_len
 
 
 @dataclass
@@ -325,6 +371,13 @@ class ActivationCheckpoint:
 # contraction dim, one power-of-two (e8m0) scale per block, rounded up (rceil); real kernels need Blackwell (SM100).
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
 MXFP8_BLOCK = 32
+# NVFP4 (torchao's NVFP4 training recipe, emulated): e2m1 elements in blocks of 16 with an e4m3 scale each, times one
+# float32 scale per tensor; weights in 16 x 16 tiles, gradients stochastically rounded (float8/nvfp4.py).
+NVFP4 = "nvfp4"
+NVFP4_BLOCK = 16
+# Published NVFP4 practice (NVIDIA's NVFP4 pretraining recipe, torchtitan's NVFP4 converter): keep the last ~15% of
+# the transformer blocks in high precision.
+NVFP4_HIGH_PRECISION_LAST_FRACTION = 0.15
 
 
 @dataclass
@@ -333,8 +386,8 @@ class Float8:
     recipe_name: str | None = _f(
         None,
         "torchao recipe; unset = tensorwise with the flags below. mxfp8_* = MXFP8 (32-element blocks, e8m0 scales; "
-        "Blackwell SM100, or --float8.emulate).",
-        ("tensorwise", "rowwise", "rowwise_with_gw_hp", *MXFP8_RECIPES),
+        "Blackwell SM100, or --float8.emulate). nvfp4 = NVFP4 (4-bit e2m1, 16-element blocks; --float8.emulate).",
+        ("tensorwise", "rowwise", "rowwise_with_gw_hp", *MXFP8_RECIPES, NVFP4),
     )
     enable_fsdp_float8_all_gather: bool = _f(False, "FSDP2 all-gathers weights in float8 (tensorwise only).")
     precompute_float8_dynamic_scale_for_fsdp: bool = _f(
@@ -363,6 +416,12 @@ class Float8:
     high_precision_first_last: int = _f(
         0, "Keep the first N and the last N transformer blocks in high precision.", valid=Range(lo=0)
     )
+    high_precision_last: int = _f(
+        -1,
+        "Keep the last N transformer blocks in high precision; -1 = the recipe's default: the last 15% of the "
+        "blocks (rounded) with nvfp4, none with the float8 recipes.",
+        valid=Range(lo=0, also=(-1,), note="-1 = the recipe's default"),
+    )
     disable_after_step: int = _f(
         0,
         "From the step after this one, every float8 Linear runs in high precision (the end of training); 0 = never.",
@@ -372,6 +431,22 @@ class Float8:
     @property
     def is_mxfp8(self) -> bool:
         return self.recipe in MXFP8_RECIPES
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.recipe == NVFP4
+
+    @property
+    def block_size(self) -> int | None:
+        """Elements per scale along the contraction dim for the block-scaled recipes (MXFP8 32, NVFP4 16)."""
+        return MXFP8_BLOCK if self.is_mxfp8 else NVFP4_BLOCK if self.is_nvfp4 else None
+
+    def high_precision_last_blocks(self, n_layers: int) -> int:
+        """How many of the last blocks stay in high precision: high_precision_last, or the recipe's default (nvfp4:
+        15% of the blocks, rounded half up: 5 of Llama 3 8B's 32, 1 of the debug model's 6, 0 of 1-3 blocks)."""
+        if self.high_precision_last >= 0:
+            return self.high_precision_last
+        return math.floor(NVFP4_HIGH_PRECISION_LAST_FRACTION * n_layers + 0.5) if self.is_nvfp4 else 0
 
     @property
     def recipe(self) -> str:
@@ -385,9 +460,20 @@ class Metrics:
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder.")
     save_for_all_ranks: bool = _f(False, "Write TensorBoard from every rank, not only the logging rank.")
+    enable_wandb: bool = _f(
+        False,
+        "Log the TensorBoard scalars to Weights & Biases from the logging rank (needs the wandb package; project, "
+        "run name and team from WANDB_PROJECT, WANDB_RUN_NAME, WANDB_TEAM).",
+    )
     disable_color_printing: bool = _f(False, "Plain log lines (no ANSI colours).")
     peak_tflops: float | None = _f(
         None, "Peak bf16 dense TFLOP/s per device for MFU; unset = look up the GPU.", valid=POSITIVE
+    )
+    attention_flops: str = _f(
+        "full",
+        "How MFU and TFLOP/s count the attention matmuls: full (every query-key pair: torchtitan, PaLM) or causal "
+        "(half of them, what a causal mask computes: Megatron-LM). docs/metrics.md.",
+        ATTENTION_FLOPS,
     )
 
 
@@ -399,7 +485,9 @@ class Profiling:
     enable_memory_snapshot: bool = _f(False, "Dump CUDA memory snapshots.")
     save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
     saved_activations_report: bool = _f(
-        False, "Run one eager training step, print the bytes kept for backward by producing op, and exit."
+        False,
+        "Run one training step, print the bytes kept for backward by producing op, and exit (compiled regions are "
+        "read from their partitioned graphs).",
     )
 
 
@@ -418,6 +506,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)

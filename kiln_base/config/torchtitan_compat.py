@@ -7,9 +7,9 @@ Each row says what kiln does with the key:
     map      kiln has it under another name or shape (`model.converters = ["float8"]` ->
              `float8.enable_float8_linear = true`): translated, and the translation logged once
     ignore   accepted and ignored while the value asks for nothing kiln lacks (`context_parallel_degree = 1`,
-             `enable_wandb = false`); any other value is refused with one line naming the key, the value and
-             what kiln offers instead. Keys only read by a feature kiln refuses elsewhere (validation's batch
-             size) are ignored whatever their value.
+             `pipeline_parallel_schedule_csv = ""`); any other value is refused with one line naming the key, the
+             value and what kiln offers instead. Keys only read by a feature kiln refuses elsewhere (MoE's
+             settings) are ignored whatever their value.
 
 torchtitan's default value of a key is always accepted: a file that spells out every default (torchtitan's
 `--job.save_config_file` writes one) must run. Names neither kiln nor torchtitan has stay errors, with the
@@ -201,7 +201,6 @@ def _compile_components(value: list[str]) -> bool:
 CP_ONLY = "only read when parallelism.context_parallel_degree > 1, which kiln refuses"
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
 FT_ONLY = "only read when fault_tolerance.enable is true, which kiln refuses"
-VAL_ONLY = "only read when validation.enable is true, which kiln refuses"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
 MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
 WORKERS_ONLY = "only read with dataloader worker processes (num_workers > 0), which kiln refuses"
@@ -251,13 +250,13 @@ ROWS_LIST: tuple[Key, ...] = (
     honour("metrics.disable_color_printing", ALL, "kiln's log lines carry no colours either way"),
     honour("metrics.save_tb_folder", ALL),
     honour("metrics.save_for_all_ranks", ALL),
-    ignore_if(
+    honour(
         "metrics.enable_wandb",
         ALL,
-        bool,
-        (False,),
-        OFF,
-        "Weights & Biases is not supported; use metrics.enable_tensorboard",
+        'the same environment variables (WANDB_PROJECT, default "kiln" where torchtitan\'s is "torchtitan"; '
+        "WANDB_RUN_NAME, default the dump folder's name; WANDB_TEAM, ...); from the logging rank only, also with "
+        "save_for_all_ranks; TensorBoard is written too when both are on; without the wandb package kiln stops "
+        "(exit 2) where torchtitan logs an error and trains on",
     ),
     # model
     honour("model.name", ALL),
@@ -653,30 +652,34 @@ ROWS_LIST: tuple[Key, ...] = (
     # experimental
     ignore_if("experimental.custom_import", ALL, str, ("",), OFF, NO_USER_MODULES),
     ignore_if("experimental.custom_args_module", ALL, str, ("",), OFF, NO_USER_MODULES),
-    # validation (v0.2)
-    ignore_if(
-        "validation.enable",
+    # validation (v0.2): kiln's [validation] section, the same keys and meanings
+    honour("validation.enable", V02),
+    honour(
+        "validation.dataset",
         V02,
-        bool,
-        (False,),
-        OFF,
-        "validation during training is not supported; evaluate a saved checkpoint separately",
+        '`"c4_validation"` is the same allenai/c4 validation stream; kiln\'s default is `"kiln_corpus_validation"`, '
+        "the bundled corpus's held-out split",
     ),
-    *(
-        ignore_any(f"validation.{key}", releases, VAL_ONLY)
-        for key, releases in (
-            ("dataset", V02),
-            ("dataset_path", V02),
-            ("local_batch_size", V02),
-            ("seq_len", V02),
-            ("freq", V02),
-            ("steps", V02),
-            ("dataloader.num_workers", V021),
-            ("dataloader.persistent_workers", V021),
-            ("dataloader.pin_memory", V021),
-            ("dataloader.prefetch_factor", V021),
-        )
+    honour("validation.dataset_path", V02),
+    honour("validation.local_batch_size", V02, "kiln's default (unset) is training.local_batch_size"),
+    honour("validation.seq_len", V02, "kiln's default (unset) is training.seq_len"),
+    honour("validation.freq", V02),
+    honour(
+        "validation.steps",
+        V02,
+        "each validation reads the set from its start; a set shorter than `steps` is validated whole, with a warning",
     ),
+    ignore_if(
+        "validation.dataloader.num_workers",
+        V021,
+        int,
+        (0,),
+        "load in the training process, as kiln does",
+        "kiln loads validation data in one background thread, as training's (training.data_prefetch)",
+    ),
+    ignore_any("validation.dataloader.persistent_workers", V021, WORKERS_ONLY),
+    ignore_any("validation.dataloader.pin_memory", V021, "kiln pins host batches whenever it trains on CUDA"),
+    ignore_any("validation.dataloader.prefetch_factor", V021, WORKERS_ONLY),
     # debug (v0.2.1+): training.seed and training.deterministic moved here
     rename("debug.seed", V021, int | None, "training.seed"),
     rename("debug.deterministic", V021, bool, "training.deterministic"),

@@ -7,15 +7,14 @@ Each run is the debug model at 2 layers and a tiny shape in fp32 parameters; the
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.common import DEBUG_CONFIG, ROOT
+from tests.helpers.common import DEBUG_CONFIG
+from tests.helpers.kiln_process import run_kiln
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -35,9 +34,7 @@ TP2 = (f"{P}data_parallel_shard_degree", "1", f"{P}tensor_parallel_degree", "2",
 
 def run_train(ngpu: int, dump: Path, *args: str) -> tuple[list[tuple[float, float]], list[str]]:
     """`NGPU=ngpu ./run_train.sh TINY args`: (loss, grad_norm) per step and the float8 findings, of rank 0."""
-    env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1"}
-    argv = ["bash", "run_train.sh", *TINY, "--job.dump_folder", str(dump), *args]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_kiln([*TINY, "--job.dump_folder", dump, *args], ngpu=ngpu, threads=1, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     steps = [m.groups() for line in lines if (m := STEP.search(line))]

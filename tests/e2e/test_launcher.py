@@ -7,29 +7,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.common import ROOT, tiny_run_args
+from tests.helpers.kiln_process import KilnResult, run_kiln, run_python, start_kiln
 
-RUN_TRAIN = str(ROOT / "run_train.sh")
 TIMEOUT_S = 300
 
 
-def run_train(*args: str, cwd: Path, ngpu: int | str | None = 1, **env: str) -> subprocess.CompletedProcess:
+def run_train(*args: str, cwd: Path, ngpu: int | str | None = 1, **env: str) -> KilnResult:
     """`NGPU=ngpu run_train.sh args` from `cwd`, with `env` on top of this process's environment."""
-    full_env = {**os.environ, **env}
-    if ngpu is not None:
-        full_env["NGPU"] = str(ngpu)
-    return subprocess.run(
-        ["bash", RUN_TRAIN, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    return run_kiln(args, ngpu=ngpu, env=env, cwd=cwd, timeout=TIMEOUT_S)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+def assert_one_line_error(proc: KilnResult, *needles: str) -> str:
     """Exit 2 and one line `kiln: error: ...` holding each needle, the last on stderr; no traceback anywhere.
 
     Before it, stderr may hold only what rank 0 itself printed live before the error ("[rank0]:" lines, e.g.
@@ -121,7 +115,7 @@ MISTAKES = [
         "tiny.jsonl is too small to fill one sequence",
         False,
     ),
-    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", False),
+    ("vocab_size", ["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer", True),
     (
         "checkpoint_model",
         ["--job.dump_folder", "{ckpt2}", "--checkpoint.enable_checkpoint", "--model.n_layers", "1"],
@@ -139,6 +133,19 @@ MISTAKES = [
             "--training.compile",
         ],
         "needs CUDA",
+        True,
+    ),
+    ("varlen_cpu", ["--model.flavor", "debugmodel_varlen_attn"], "use model.flavor debugmodel_flex_attn", True),
+    (
+        "validation_dataset_name",
+        ["--validation.enable", "--validation.dataset", "nosuch"],
+        "validation.dataset: unknown dataset 'nosuch'",
+        True,
+    ),
+    (
+        "validation_too_small",
+        ["--validation.enable", "--validation.dataset_path", "{dir}/tiny.jsonl"],
+        "tiny.jsonl is too small to fill one sequence of validation.seq_len + 1",
         False,
     ),
 ]
@@ -227,11 +234,7 @@ def test_sigterm_to_run_train_sh_stops_both_ranks_with_their_line_and_exit_143(t
     """SIGTERM (what a scheduler sends) to run_train.sh with 2 ranks: each rank saves and says so in one line, and
     the launcher ends with the shell's status for SIGTERM, without torchrun's traceback of its own signal."""
     args = tiny_run_args("--training.steps", "10000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000")
-    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
-    proc = subprocess.Popen(
-        ["bash", RUN_TRAIN, *args, "--job.dump_folder", "run"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_kiln([*args, "--job.dump_folder", "run"], ngpu=2, log_rank="0,1", cwd=tmp_path)
     assert proc.stdout is not None
     for line in proc.stdout:  # both ranks log; the first step line means the loop runs
         if "step:  1 " in line:
@@ -291,8 +294,7 @@ def test_exit_now_keeps_the_status_and_what_was_written() -> None:
     """train.py and launch.py end through train.exit_now (no interpreter teardown): the exit status and output
     still buffered (stdout to a pipe is block-buffered) arrive."""
     code = "import sys, train; print('printed'); sys.stderr.write('written'); train.exit_now(3)"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = run_python(code, env={"PYTHONUNBUFFERED": None})
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "printed\n", "written")
 
 
@@ -300,23 +302,44 @@ def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "dirname").symlink_to("/usr/bin/dirname")
-    env = {"PATH": str(bin_dir), "NGPU": "1"}
-    proc = subprocess.run(
-        ["/bin/bash", RUN_TRAIN, "--training.stpes", "1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    env = {"PATH": str(bin_dir)}  # and NGPU=1, nothing else; bash itself is started by its full path
+    proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "neither python nor python3 is on PATH")
     (bin_dir / "python3").symlink_to(sys.executable)
-    proc = subprocess.run(
-        ["/bin/bash", RUN_TRAIN, "--training.stpes", "1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_wandb_without_the_package_is_one_line_before_any_rank(ngpu: int, tmp_path: Path) -> None:
+    """metrics.enable_wandb where wandb is not importable (a sitecustomize hides the installed one): the launcher's
+    check stops the run before torchrun starts a rank."""
+    hide = tmp_path / "no_wandb"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['wandb'] = None  # as if not installed\n")
+    pythonpath = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH", "")) if p)
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--metrics.enable_wandb")
+    proc = run_train(*args, cwd=tmp_path, ngpu=ngpu, PYTHONPATH=pythonpath)
+    assert_one_line_error(proc, "metrics.enable_wandb needs the wandb package, which is not installed")
+    assert "[rank0]" not in proc.stdout and len(proc.stderr.splitlines()) == 1, proc.stdout[-2000:]
+
+
+@pytest.mark.distributed
+def test_wandb_two_ranks_one_offline_run(tmp_path: Path) -> None:
+    """NGPU=2, LOG_RANK=1,0: both ranks print step lines; one W&B run, owned by rank 1 (the first named), holds
+    their losses."""
+    from tests.helpers.run_files import read_offline_run
+
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--model.n_layers", "1", "--training.steps", "3")
+    args += ["--metrics.log_freq", "1", "--metrics.enable_wandb"]
+    proc = run_train(
+        *args, cwd=tmp_path, ngpu=2, LOG_RANK="1,0", WANDB_MODE="offline", WANDB_SILENT="true", WANDB_RUN_NAME=""
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank1]:" in proc.stdout and "Weights & Biases: run 'out'" in proc.stdout
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:") and "Weights & Biases" in line]
+    run = read_offline_run(tmp_path / "out")  # exactly one run
+    losses = [
+        line.split("loss:")[1].split()[0] for line in proc.stdout.splitlines() if "[rank1]:" in line and "step:" in line
+    ]
+    assert [f"{run.history[s]['kiln/loss']:.4f}" for s in (1, 2, 3)] == losses

@@ -3,23 +3,15 @@ because the policy bound SAC_SAVE_LIST as a default argument when the module was
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers.common import HANG_TIMEOUT_S, ROOT, needs_cpu_rowwise
+from tests.helpers.common import ROOT, needs_cpu_rowwise
+from tests.helpers.kiln_process import run_kiln
 
 
 def _kept(*flags: str) -> dict[str, str]:
-    out = subprocess.run(
-        [sys.executable, "scripts/measure_sac.py", "--seq-len", "32", "--repeats", "1", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT_S,
-        check=True,
-    ).stdout
+    script = ROOT / "scripts" / "measure_sac.py"
+    out = run_kiln(["--seq-len", "32", "--repeats", "1", *flags], launcher="python", script=script, check=True).stdout
     rows = out.split("kept by SAC:")[1].split("saved outside")[0].splitlines()[1:]
     return {r.split()[0]: r.split()[1] for r in rows if r.strip()}
 

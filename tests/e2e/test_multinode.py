@@ -18,7 +18,6 @@ import os
 import queue
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,8 +26,8 @@ import pytest
 
 import launch
 from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port
+from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, run_kiln, start_kiln
 
-RUN_TRAIN = str(ROOT / "run_train.sh")
 TIMEOUT_S = 600
 COLLECTIVE_TIMEOUT_S = 30  # comm.train_timeout_seconds of these runs
 STEP = re.compile(r"step: +(\d+)  loss: +(\S+)  .*  grad_norm: +(\S+)  lr:")
@@ -47,9 +46,15 @@ HSDP_FLOAT8 = (
     "--float8.precompute_float8_dynamic_scale_for_fsdp",
 )
 FSDP_TP = (f"{P}data_parallel_shard_degree", "2", f"{P}tensor_parallel_degree", "2")
-BASE_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-for name in ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "SLURM_JOB_ID", "SLURM_NNODES"):
-    BASE_ENV.pop(name, None)
+# On top of this process's environment (with OMP_NUM_THREADS=1): no node layout of the machine running the tests.
+NO_NODES: dict[str, str | None] = dict.fromkeys(
+    ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "SLURM_JOB_ID", "SLURM_NNODES")
+)
+
+
+def run_node(args: list[str], *, ngpu: int, script: Path | None = None, cwd: Path = ROOT, **env: str) -> KilnResult:
+    """NGPU=ngpu run_train.sh (or `script`) with `env` on top of NO_NODES, one OpenMP thread per rank."""
+    return run_kiln(args, script=script, ngpu=ngpu, threads=1, env={**NO_NODES, **env}, cwd=cwd, timeout=TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------- the node layout (fast)
@@ -103,9 +108,8 @@ def test_node_layout_mistakes(env: dict[str, str], needle: str) -> None:
 
 def test_config_is_checked_for_the_whole_world_before_any_rank_starts(tmp_path: Path) -> None:
     """NNODES x NGPU = 4 ranks: a shard degree of 2 is refused on every node before torchrun starts one."""
-    env = {**BASE_ENV, "NGPU": "2", "NNODES": "2", "NODE_RANK": "1", "RDZV_ENDPOINT": "localhost:1"}
     args = [*TINY, f"{P}data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run(["bash", RUN_TRAIN, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_node(args, ngpu=2, NNODES="2", NODE_RANK="1", RDZV_ENDPOINT="localhost:1")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line == (
@@ -173,15 +177,10 @@ class Node:
     """One simulated node: run_train.sh with NNODES=2 in its own session, its output pumped line by line."""
 
     def __init__(self, node_rank: int, endpoint: str, dump: Path, *args: str, max_restarts: int = 0) -> None:
-        env = {**BASE_ENV, "NGPU": "2", "NNODES": "2", "NODE_RANK": str(node_rank), "RDZV_ENDPOINT": endpoint}
+        env = {**NO_NODES, "NNODES": "2", "NODE_RANK": str(node_rank), "RDZV_ENDPOINT": endpoint}
         env.update(RDZV_ID="sim", MAX_RESTARTS=str(max_restarts))
-        self.proc = subprocess.Popen(
-            ["bash", RUN_TRAIN, *TINY, *args, "--job.dump_folder", str(dump)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+        self.proc = start_kiln(
+            [*TINY, *args, "--job.dump_folder", dump], ngpu=2, threads=1, env=env, merge_stderr=True, new_session=True
         )
         self.lines: queue.Queue[tuple[float, str] | None] = queue.Queue()
         self.seen: list[str] = []
@@ -255,10 +254,9 @@ def two_nodes_under_slurm(dump: Path, tmp: Path, *args: str) -> str:
         'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n'
     )
     (bin_dir / "srun").chmod(0o755)
-    env = {**BASE_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NGPU": "2", "SLURM_SUBMIT_DIR": str(ROOT)}
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT)}
     env.update(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost", RDZV_PORT=str(free_port()))
-    argv = ["bash", str(ROOT / "scripts" / "slurm_train.sh"), *args, "--job.dump_folder", str(dump)]
-    proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_node([*args, "--job.dump_folder", str(dump)], ngpu=2, script=SLURM_TRAIN, cwd=tmp, **env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("kiln: node 0 of 2 nodes x 2 ranks (SLURM), rendezvous localhost:") == 1, proc.stdout
     assert proc.stdout.count("kiln: node 1 of 2 nodes x 2 ranks (SLURM), rendezvous localhost:") == 1, proc.stdout
@@ -266,9 +264,7 @@ def two_nodes_under_slurm(dump: Path, tmp: Path, *args: str) -> str:
 
 
 def one_node(dump: Path, *args: str) -> str:
-    env = {**BASE_ENV, "NGPU": "4"}
-    argv = ["bash", RUN_TRAIN, *TINY, *args, "--job.dump_folder", str(dump)]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_node([*TINY, *args, "--job.dump_folder", str(dump)], ngpu=4)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

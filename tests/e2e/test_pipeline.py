@@ -281,8 +281,13 @@ def test_run_train_sh_trains_a_pipeline(runs: dict[str, Any], tmp_path: Path) ->
     [
         ("1", [*PP2], "pipeline_parallel_degree x data_parallel_replicate_degree x tensor_parallel_degree = 2"),
         ("2", [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "1"], "layers_per_stage 1 (ceil((2 blocks"),
+        (  # validation runs through the pipeline's schedule: its batch must split into micro-batches too
+            "2",
+            [*PP2, "--validation.enable", "--validation.local_batch_size", "1"],
+            "schedule 1F1B needs at least 2 micro-batches (one per stage); validation.local_batch_size 1 / ",
+        ),
     ],
-    ids=["ngpu1", "ngpu2"],
+    ids=["ngpu1", "ngpu2", "validation_microbatches"],
 )
 def test_run_train_sh_refuses_before_torchrun(nproc: str, args: list[str], message: str, tmp_path: Path) -> None:
     env = {**os.environ, "NGPU": nproc, "CONFIG_FILE": DEBUG_CONFIG}

@@ -10,8 +10,6 @@ import dataclasses
 import logging
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,6 @@ from kiln_base.errors import ConfigError
 from models import LLAMA3_FLAVORS, Transformer
 from tests.helpers.common import (
     DEBUG_CONFIG,
-    HANG_TIMEOUT_S,
     ROOT,
     needs_cpu_rowwise,
     open_trainer,
@@ -32,6 +29,7 @@ from tests.helpers.common import (
     tiny_run_args,
 )
 from tests.helpers.distributed import run_distributed
+from tests.helpers.kiln_process import run_python
 from trainer.trainer import Trainer
 
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1")
@@ -276,9 +274,7 @@ def test_entry_point_exits_2_with_one_line(patch: str, argv: list[str], message:
     """`python train.py ...` (with a patch applied first where the machine cannot show the case) exits 2."""
     code = f"{patch}\nimport sys, train\nsys.exit(train.main(sys.argv[1:]))"
     argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", "/tmp/kiln_f8_invalid", *argv]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S
-    )
+    proc = run_python(code, *argv)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kiln: error: ") and message in lines[0], proc.stderr
@@ -305,7 +301,7 @@ def test_float8_validation_import_is_light() -> None:
     code = "import sys, kiln_base.config, float8.environment\n"
     code += "assert 'torch' not in sys.modules and 'torchao' not in sys.modules"
     code += "\nimport float8.converter; assert 'torchao' not in sys.modules, 'converter imports torchao eagerly'"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=HANG_TIMEOUT_S)
+    run_python(code, check=True)
 
 
 # ----------------------------------------------------------------------------- training

@@ -34,14 +34,14 @@ def test_high_precision_first_last_keeps_the_edge_blocks() -> None:
     assert reasons["layers.1.attention.wq"] == "" and reasons["output"] == "filter_fqns 'output'"
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8_rceil"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8_rceil", "nvfp4"])
 def test_switch_to_high_precision_runs_the_exact_matmul(recipe: str) -> None:
     """After the switch every float8 Linear computes F.linear of its high-precision weight, exactly; before, not."""
     from float8.converter import Float8Converter, is_float8_linear, switch_to_high_precision
     from float8.numerics import high_precision_weight
     from kiln_base.config import parse_args
 
-    extra = ("--float8.emulate",) if recipe.startswith("mx") else ()
+    extra = ("--float8.emulate",) if recipe != "tensorwise" else ()
     cfg = parse_args(tiny_run_args("--float8.enable_float8_linear", "--float8.recipe_name", recipe, *extra))
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False))
     Float8Converter(cfg.float8).convert(model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ import pytest
 from kiln_base.internals import cpu_scaled_mm_supports_rowwise
 
 if TYPE_CHECKING:
+    from trainer.hooks import StepHook
     from trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,10 +55,11 @@ def open_trainer(argv: list[str]) -> Iterator[Trainer]:
         trainer.close()
 
 
-def run_trainer(argv: list[str]) -> Trainer:
-    """Build, train to training.steps and close a Trainer; return it (losses, model, step) for inspection."""
+def run_trainer(argv: list[str], extra_hooks: Sequence[StepHook] = ()) -> Trainer:
+    """Build, train to training.steps (with `extra_hooks` after kiln's own) and close a Trainer; return it (losses,
+    model, step) for inspection."""
     with open_trainer(argv) as trainer:
-        trainer.train()
+        trainer.train(extra_hooks)
     return trainer
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,9 +84,10 @@ def reopen_group(store: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
 
-def train_in_group(argv: list[str], store: str) -> Any:
-    """On a rank of a run_distributed group: build, train and close a Trainer from train.py arguments (the group
-    reopened through `store` if needed; compiled graphs of earlier runs dropped); the closed Trainer."""
+def train_in_group(argv: list[str], store: str, extra_hooks: Sequence[Any] = ()) -> Any:
+    """On a rank of a run_distributed group: build, train (with `extra_hooks`, StepHooks) and close a Trainer from
+    train.py arguments (the group reopened through `store` if needed; compiled graphs of earlier runs dropped); the
+    closed Trainer."""
     reopen_group(store)
     torch._dynamo.reset()  # each run compiles its own blocks, never reuses another run's graphs
-    return run_trainer(argv)
+    return run_trainer(argv, extra_hooks)

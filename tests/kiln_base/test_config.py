@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kiln_base.config import JobConfig, format_help, parse_args, to_toml
 from kiln_base.errors import ConfigError
-from tests.helpers.common import DEBUG_CONFIG, HANG_TIMEOUT_S, ROOT
+from tests.helpers.common import DEBUG_CONFIG, ROOT
+from tests.helpers.kiln_process import KilnResult, run_kiln, run_python
 
 
 def test_precedence_defaults_toml_cli() -> None:
@@ -52,7 +50,8 @@ def test_optional_fields_accept_none() -> None:
 
 def test_every_key_has_help_and_print_config_round_trips(tmp_path: Path) -> None:
     text = format_help()
-    assert "--float8.recipe_name {tensorwise,rowwise,rowwise_with_gw_hp,mxfp8_rceil,mxfp8_rceil_wgrad_with_hp}" in text
+    recipes = "tensorwise,rowwise,rowwise_with_gw_hp,mxfp8_rceil,mxfp8_rceil_wgrad_with_hp,nvfp4"
+    assert f"--float8.recipe_name {{{recipes}}}" in text
     cfg = parse_args(["--training.steps", "3", "--float8.enable_float8_linear", "--float8.recipe_name", "rowwise"])
     out = tmp_path / "merged.toml"
     out.write_text(to_toml(cfg))
@@ -86,10 +85,8 @@ def test_bad_input_raises_config_error(argv: list[str], message: str) -> None:
     assert message in str(e.value)
 
 
-def _run_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S
-    )
+def _run_train(*args: str) -> KilnResult:
+    return run_kiln(args, launcher="python")
 
 
 def test_malformed_toml_names_file_and_line(tmp_path: Path) -> None:
@@ -131,17 +128,11 @@ def test_garbage_tokenizer_file_exits_2(tmp_path: Path) -> None:
 
 def test_config_import_is_light() -> None:
     code = "import sys, kiln_base.config; assert 'torch' not in sys.modules, 'config imports torch'"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    run_python(code, check=True)
 
 
 def test_run_train_sh_reports_config_errors_before_torchrun() -> None:
-    proc = subprocess.run(
-        ["bash", "run_train.sh", "--training.stpes", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT_S,
-    )
+    proc = run_kiln(["--training.stpes", "3"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "kiln: error: --training.stpes: unknown key 'training.stpes'; did you mean 'training.steps'?"
@@ -246,15 +237,8 @@ def test_deprecated_and_new_name_disagreeing_is_a_config_error(tmp_path: Path) -
 
 @pytest.mark.parametrize("ngpu", ["1", "2"])
 def test_run_train_sh_refuses_disagreeing_renamed_keys_with_one_line(ngpu: str) -> None:
-    proc = subprocess.run(
-        ["bash", "run_train.sh", "--float8.enable_float8_linear", "--float8.sqnr_log_freq", "2"]
-        + ["--float8.numerics_log_freq", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT_S,
-        env={**os.environ, "NGPU": ngpu},
-    )
+    args = ["--float8.enable_float8_linear", "--float8.sqnr_log_freq", "2", "--float8.numerics_log_freq", "3"]
+    proc = run_kiln(args, ngpu=ngpu)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "kiln: error: --float8.sqnr_log_freq = 2 and --float8.numerics_log_freq = 3 disagree: float8.sqnr_log_freq "
@@ -266,5 +250,5 @@ def test_launcher_config_check_leaves_the_rename_warning_to_the_ranks() -> None:
     """run_train.sh checks the config before torchrun and each rank parses it again: only the rank's log says it."""
     code = "import sys, train; sys.exit(0 if train.check_config(sys.argv[1:]) else 2)"
     argv = ["--float8.enable_float8_linear", "--float8.sqnr_log_freq", "5"]
-    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = run_python(code, *argv, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")

@@ -6,9 +6,8 @@ fails here by name. Plus the rule that makes the module mean something: nothing 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
@@ -23,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kiln_base import internals
 from tests.helpers.distributed import free_port
+from tests.helpers.kiln_process import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 aten = torch.ops.aten
@@ -177,6 +177,67 @@ def test_custom_fsdp_all_gather_and_all_gather_single_on_two_ranks() -> None:
         assert gathered == [0.0, 1.0]
 
 
+def _fsdp_tp_gradient_reductions() -> tuple[list[str], list[str], list[str]]:
+    """FSDP (1 data-parallel rank) over a TP 2 sequence-parallel RMSNorm + Linear, bfloat16 params, reduce_dtype
+    float32: the dtypes of FSDP's all-reduces of the norm's TP-partial gradient without, then with
+    fsdp_reduce_tp_partial_grads_in_reduce_dtype; and the dtypes a custom reduce-scatter (FSDPReduceScatter) got."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    class Spy(internals.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if str(func) == "_c10d_functional.all_reduce.default":
+                self.dtypes.append(str(args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    class Recording(internals.FSDPReduceScatter):
+        def __init__(self) -> None:
+            self.dtypes: list[str] = []
+
+        def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+            self.dtypes.append(str(input_tensor.dtype))
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(32), nn.Linear(32, 32, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1))})
+    fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    comm = Recording()
+    model.set_custom_reduce_scatter(comm)
+    dtypes = []
+    for fixed in (False, True):
+        if fixed:
+            internals.fsdp_reduce_tp_partial_grads_in_reduce_dtype()
+            internals.fsdp_reduce_tp_partial_grads_in_reduce_dtype()  # idempotent: one wrapper
+        with Spy() as spy:
+            model(torch.randn(2, 8, 32)).sum().backward()
+        dtypes.append(spy.dtypes)
+    return dtypes[0], dtypes[1], comm.dtypes
+
+
+@pytest.mark.distributed
+def test_pytorch_190626_and_its_workaround() -> None:
+    """torch all-reduces a TP-partial gradient in bfloat16 although reduce_dtype is float32 (pytorch#190626); with
+    the workaround, in float32, and FSDP's reduce-scatter (a custom FSDPReduceScatter here) gets float32 either way.
+    If the first assert fails, torch has fixed the bug (pytorch/pytorch#190627) and the workaround can go."""
+    from tests.helpers.distributed import run_distributed
+
+    for without, with_fix, reduce_scatter in run_distributed(_fsdp_tp_gradient_reductions, 4):
+        assert without == ["torch.bfloat16"], without
+        assert with_fix == ["torch.float32"], with_fix
+        assert reduce_scatter == ["torch.float32", "torch.float32"], reduce_scatter
+
+
 def test_all_gather_single(world1: None) -> None:
     out = torch.zeros(3)
     internals.all_gather_single(out, torch.tensor([1.0, 2.0, 3.0]))
@@ -236,6 +297,53 @@ def test_flatten_state_dict() -> None:
     flat, mapping = internals.flatten_state_dict({"model": {"w": torch.ones(1)}, "train_state": {"step": 3}})
     assert sorted(flat) == ["model.w", "train_state.step"]
     assert mapping["model.w"] == ("model", "w")
+
+
+def test_record_checking_reader_sees_every_record_before_it_is_read(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(4.0), "n": 3}, checkpoint_id=str(tmp_path), no_dist=True)
+    seen = []
+
+    class Recording(internals.RecordCheckingReader):
+        def check_record(self, file: Any, info: Any) -> None:
+            assert isinstance(info, internals.DCPStorageInfo)
+            seen.append((info.relative_path, info.length))
+
+    sd = {"w": torch.zeros(4), "n": 0}
+    dcp.load(sd, storage_reader=Recording(str(tmp_path)), no_dist=True)
+    assert torch.equal(sd["w"], torch.arange(4.0)) and sd["n"] == 3
+    assert len(seen) == 2 and all(length > 0 for _, length in seen)
+
+    class Refusing(internals.RecordCheckingReader):
+        def check_record(self, file: Any, info: Any) -> None:
+            raise ValueError("refused")
+
+    with pytest.raises(BaseException) as refused:  # DCP gathers it into a CheckpointException (a BaseException)
+        dcp.load({"w": torch.zeros(4), "n": 0}, storage_reader=Refusing(str(tmp_path)), no_dist=True)
+    failures = getattr(refused.value, "failures", {0: (refused.value,)})
+    assert "refused" in str(next(iter(failures.values()))[0])
+
+
+def test_build_checking_unpickler_sees_every_build() -> None:
+    import io
+    import pickle
+
+    seen: list[Any] = []
+
+    class Recording(internals.BuildCheckingUnpickler):
+        def check_build(self, target: Any) -> None:
+            seen.append(target)
+
+    value = timedelta(seconds=1), partial(int, base=2)  # partial pickles its state with BUILD
+    assert Recording(io.BytesIO(pickle.dumps(value))).load()[1]("11") == 3
+    assert any(isinstance(t, partial) for t in seen)
+    # GLOBAL + BUILD: state set on a class itself (the class is the target the hook sees)
+    crafted = b"\x80\x04\x8c\x08builtins\x94\x8c\x03int\x94\x93\x94N}\x94\x8c\x01x\x94K\x01s\x86\x94b."
+    seen.clear()
+    with pytest.raises(TypeError):  # `int` takes no attributes; the hook saw the class first
+        Recording(io.BytesIO(crafted)).load()
+    assert seen == [int]
 
 
 # ----------------------------------------------------------------------------- CUDA memory history (signatures: no GPU)
@@ -391,7 +499,7 @@ def test_cpu_float8_conversion_skips_torchaos_triton_patch() -> None:
         "from torchao.float8 import _inductor_patch\n"
         "print(type(model[0]).__name__, _inductor_patch._PATCHED, 'torch._inductor.codegen.triton' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.split()[-3:] == ["Float8Linear", "True", "False"]
 
 
@@ -421,6 +529,98 @@ def test_mxfp8_internals() -> None:
     a = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL, KernelPreference.EMULATED)
     assert internals.mx_matmul_is_emulated_and_traced(a, a) == (True, False)
     assert internals.local_tensor_or_self(hp) is hp
+
+
+# ----------------------------------------------------------------------------- compile counters, flex attention
+
+
+def test_dynamo_graph_count_and_mark_dynamic() -> None:
+    """Every compile adds a graph, a cached call none; a dimension marked dynamic compiles once for all lengths."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2, fullgraph=True)
+    start = internals.dynamo_graphs_compiled()
+    fn(torch.ones(3))
+    fn(torch.ones(3))
+    assert internals.dynamo_graphs_compiled() == start + 1
+    fn(torch.ones(4))  # a new static length: a recompile
+    assert internals.dynamo_graphs_compiled() == start + 2
+    torch._dynamo.reset()
+    start = internals.dynamo_graphs_compiled()
+    for n in (3, 5, 8):
+        x = torch.ones(n)
+        internals.mark_dynamic(x, 0)
+        fn(x)
+    assert internals.dynamo_graphs_compiled() == start + 1
+
+
+def test_cpu_flex_backward_lifts_only_the_cpu_refusal() -> None:
+    """torch refuses a CPU flex_attention input that requires grad; inside cpu_flex_backward its eager reference
+    trains, with SDPA's gradients, and the refusal is back after."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, 1, None, 16, 16, device="cpu")
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, q, q, block_mask=mask)
+    with internals.cpu_flex_backward(), torch.compiler.set_stance("force_eager"):
+        flex_attention(q, q, q, block_mask=mask).sum().backward()
+    flex_grad, q.grad = q.grad, None
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    torch.testing.assert_close(flex_grad, q.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, q, q, block_mask=mask)
+    assert isinstance(torch.ops.higher_order.flex_attention, internals.HigherOrderOperator)
+
+
+def test_inductor_partition_backend_runs_inductors_partition_eagerly() -> None:
+    """Right gradients; each forward runs inside around_forward; what the forward saves reaches saved-tensor hooks
+    (AOTAutograd's save_for_backward): inductor's partition keeps x and recomputes sin(x), which eager keeps."""
+    runs: list[int] = []
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        runs.append(1)
+        yield
+
+    saved: list[torch.Tensor] = []
+    f = torch.compile(lambda x: torch.sin(x).cos().sum(), backend=internals.inductor_partition_backend(around))
+    x = torch.randn(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = f(x)
+    loss.backward()
+    assert runs == [1]
+    assert torch.allclose(x.grad, -torch.sin(torch.sin(x)) * torch.cos(x))
+    assert len(saved) == 1 and torch.equal(saved[0], x)
+
+
+def test_compile_transparent_dispatch_mode_sees_compiled_graph_ops() -> None:
+    """Under the mode dynamo compiles (fullgraph: a skipped frame would fail), and the graph, run eagerly by
+    inductor_partition_backend, shows its ops to the mode."""
+
+    class Recording(internals.CompileTransparentDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    runs: list[int] = []
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        runs.append(1)
+        yield
+
+    f = torch.compile(lambda x: torch.sin(x) * 2, backend=internals.inductor_partition_backend(around), fullgraph=True)
+    with Recording() as mode:
+        out = f(torch.ones(4))
+    assert runs == [1] and "aten.sin.default" in mode.ops
+    assert torch.allclose(out, 2 * torch.sin(torch.ones(4)))
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
 
 
 def _v_schedule_on_gloo() -> str:

@@ -166,6 +166,22 @@ LAUNCHER_MISTAKES = [
         2,
         "microbatch_size x training.seq_len = 48; make it a multiple of 32",
     ),
+    (
+        [f"{PP}degree", "2", "--float8.enable_float8_linear", "--float8.recipe_name", "nvfp4", "--float8.emulate"]
+        + ["--training.seq_len", "24", "--training.local_batch_size", "4"],
+        2,
+        "microbatch_size x training.seq_len = 24; make it a multiple of 16",
+    ),
+    (  # validation runs through the pipeline's schedule too: its batch splits into micro-batches the same way
+        [f"{PP}degree", "2", "--validation.enable", "--validation.local_batch_size", "1"],
+        2,
+        "schedule 1F1B needs at least 2 micro-batches (one per stage); validation.local_batch_size 1",
+    ),
+    (
+        [f"{PP}degree", "2", f"{PP}microbatch_size", "2", "--validation.enable", "--validation.local_batch_size", "3"],
+        2,
+        "validation.local_batch_size (3) must be a multiple of parallelism.pipeline_parallel_microbatch_size (2)",
+    ),
     ([f"{PP}schedule", "DualPipeV"], 2, "DualPipeV overlaps expert-parallel communication (MoE)"),
     ([f"{PP}schedule_csv", "my.csv"], 2, "schedules from a CSV file are not supported"),
 ]
@@ -211,3 +227,29 @@ def test_v_schedule_on_cpu_needs_a_torch_that_does_not_send_to_its_own_rank() ->
     check_pipeline_device(p, "cuda", warmup_sends_to_own_rank=True)  # not gloo
     p.pipeline_parallel_schedule = "InterleavedZeroBubble"
     check_pipeline_device(p, "cpu", warmup_sends_to_own_rank=True)  # no two stages of one rank are neighbours
+
+
+def test_memory_check_counts_each_pipeline_ranks_stages() -> None:
+    """Under a pipeline each rank holds its stages' training state (and the last stage's rank the logits of one
+    micro-batch): a model one rank cannot hold fits over a pipeline, and the refusal names the rank needing most."""
+    from kiln_base.config import TRAINING_BYTES_PER_PARAM, check_model_memory, model_params
+    from kiln_base.config.checks import pipeline_rank_params
+
+    shape = ModelShape(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, ffn_hidden_dim=768, vocab_size=2256)
+    plan = pipeline_plan(Parallelism(pipeline_parallel_degree=2), 4, shape.n_layers)
+    whole = model_params(shape) * TRAINING_BYTES_PER_PARAM
+    ranks = [pipeline_rank_params(shape, plan, r) for r in range(2)]
+    assert sum(ranks) == model_params(shape)  # the stages share the model out
+    worst = max(ranks) * TRAINING_BYTES_PER_PARAM
+    assert worst < whole
+    with pytest.raises(ConfigError, match="more than x"):
+        check_model_memory(shape, 1, 0, 1, 1, worst, "x")  # one process: the whole model
+    check_model_memory(shape, 1, 0, 1, 1, worst, "x", plan)  # one pipeline rank's stages fit
+    with pytest.raises(ConfigError, match=r"; pipeline rank \d holds [\d,]+ of them\) needs at least") as e:
+        check_model_memory(shape, 1, 0, 1, 1, worst - 1, "x", plan)
+    assert "\n" not in str(e.value)
+    logits = 32 * shape.vocab_size * 8  # a micro-batch of 32 tokens, on the last stage's rank only
+    last = ranks[1] * TRAINING_BYTES_PER_PARAM + logits
+    check_model_memory(shape, 1, 32, 1, 1, max(last, ranks[0] * TRAINING_BYTES_PER_PARAM), "x", plan)
+    with pytest.raises(ConfigError, match="GiB of logits"):
+        check_model_memory(shape, 1, 32, 1, 1, last - 1, "x", plan)

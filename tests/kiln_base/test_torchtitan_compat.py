@@ -11,21 +11,19 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import train
-from kiln_base.config import JobConfig, Model, parse_args, resolve_input_path
+from kiln_base.config import JobConfig, Model, Validation, parse_args, resolve_input_path
 from kiln_base.config.torchtitan_compat import KILN_TOKENIZER, ROWS, ROWS_LIST, Honour, Ignore, Map, markdown_table
 from kiln_base.errors import ConfigError
+from tests.helpers.common import ROOT
+from tests.helpers.kiln_process import run_kiln
 
-ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "torchtitan"
 RELEASES = ("v0.1.0", "v0.2.0", "v0.2.1", "v0.2.2")
 CONFIGS = ("debug_model", "llama3_8b", "llama3_70b", "llama3_405b")
@@ -148,6 +146,8 @@ def test_debug_configs_of_every_release_mean_the_same_run() -> None:
     for c in configs:
         c.job.config_file = None  # the one difference: the file's own path
         c.parallelism.pipeline_parallel_schedule = "1F1B"  # v0.2's names one, not read at pipeline degree 1
+        assert not c.validation.enable  # v0.2's files add a [validation] section that is off
+        c.validation = Validation()
     assert all(c == configs[0] for c in configs[1:])
     c = configs[0]
     assert (
@@ -205,6 +205,7 @@ MAPPINGS = [
         ["--parallelism.pipeline_parallel_schedule", "zbvzerobubble"],
         {"parallelism.pipeline_parallel_schedule": "ZBVZeroBubble"},
     ),
+    (["--metrics.enable_wandb"], {"metrics.enable_wandb": True}),  # honoured (trainer/components/scalar_writers.py)
 ]
 
 
@@ -248,10 +249,8 @@ REFUSALS = [
     ),
     (["--parallelism.pipeline_parallel_schedule", "DualPipeV"], '"DualPipeV": DualPipeV overlaps expert-parallel'),
     (["--parallelism.context_parallel_degree", "2"], "context_parallel_degree = 2: context parallelism is not"),
-    (["--metrics.enable_wandb"], "--metrics.enable_wandb = true: Weights & Biases is not supported; use metrics."),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
     (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs; kiln trains dense"),
-    (["--validation.enable=true"], "--validation.enable = true: validation during training is not supported"),
     (["--training.dtype", "bfloat16"], '--training.dtype = "bfloat16": all-bfloat16 training is not supported'),
     (["--compile.components", "loss"], '--compile.components = ["loss"]: kiln compiles the model'),
     (["--comm.mode", "local_tensor"], '--comm.mode = "local_tensor": simulating ranks on one device'),
@@ -308,13 +307,7 @@ def test_toml_refusal_names_the_file(tmp_path: Path) -> None:
     ids=["ignore_if", "map", "choice", "unknown"],
 )
 def test_each_refusal_kind_exits_2_with_one_line(argv: list[str]) -> None:
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--job.config_file", fixture("v0.2.2", "debug_model"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_kiln(["--job.config_file", fixture("v0.2.2", "debug_model"), *argv], launcher="python", timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kiln: error: ") and "Traceback" not in proc.stdout
@@ -327,12 +320,9 @@ def test_each_refusal_kind_exits_2_with_one_line(argv: list[str]) -> None:
 @pytest.mark.parametrize("release", ["v0.1.0", "v0.2.2"])
 def test_debug_config_trains_through_run_train_sh(release: str, tmp_path: Path) -> None:
     """torchtitan's debug config, as shipped, trains on CPU; the overrides only shrink it and pick fp32 compute."""
-    env = {**os.environ, "CONFIG_FILE": fixture(release, "debug_model"), "NGPU": "1"}
     args = ["--training.mixed_precision_param", "float32", "--training.seq_len", "32"]
     args += ["--training.local_batch_size", "2", "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run(
-        ["bash", "run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_kiln(args, ngpu=1, config_file=fixture(release, "debug_model"), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     losses = [float(m) for m in re.findall(r"step: +\d+  loss: +([-\d.naninf]+)", out)]

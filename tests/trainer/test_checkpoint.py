@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,54 +18,26 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import train as train_entry
 from kiln_base.config import Checkpoint, parse_args
 from models import LLAMA3_FLAVORS, ModelArgs
-from tests.helpers.common import HANG_TIMEOUT_S, ROOT, tiny_run_args
-from tests.helpers.common import run_trainer as run_to_end
+from tests.helpers.checkpoints import SMALL, TINY, names, snapshot, train_tiny
+from tests.helpers.kiln_process import CKPT_DRIVER, run_kiln
 from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
 from trainer.trainer import Trainer
-
-DRIVER = str(ROOT / "tests" / "helpers" / "ckpt_driver.py")
-TINY = tiny_run_args("--training.deterministic")
-SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000)
-
-
-@pytest.fixture
-def small_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process runs use a 2-layer, dim-64 debugmodel: the saves are about 1 MB instead of 76 MB."""
-    monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)
 
 
 def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None) -> tuple[int, list[float]]:
     """Run tests/helpers/ckpt_driver.py (under torchrun when nproc > 1); return (exit status, rank 0's losses)."""
     out = dump.with_suffix(".losses.json")
-    launch = [sys.executable, DRIVER] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", DRIVER,
-    ]  # fmt: skip
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(
-        [*launch, str(out), *TINY, "--job.dump_folder", str(dump), *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT_S,
-        cwd=ROOT,
+    proc = run_kiln(
+        [out, *TINY, "--job.dump_folder", dump, *args],
+        launcher="python" if nproc == 1 else "torchrun",
+        script=CKPT_DRIVER,
+        ngpu=nproc,
+        threads=1,
+        env=env,
+        log=dump.parent / f"{dump.name}.log",  # for debugging failures
     )
-    (dump.parent / f"{dump.name}.log").write_text(proc.stdout + proc.stderr)  # for debugging failures
     losses = json.loads(out.read_text()) if out.exists() else []
     return proc.returncode, losses
-
-
-def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file's size and mtime, except the folder lock (each run takes it and writes its pid@host there)."""
-    return {
-        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in folder.rglob("*")
-        if p.name != ".kiln.lock"
-    }
-
-
-def names(folder: Path) -> list[str]:
-    """The checkpoint folder's entries, without kiln's hidden lock file."""
-    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
 @pytest.mark.slow
@@ -95,7 +65,7 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
 @pytest.mark.distributed
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
     """FSDP on 2 gloo ranks: a run killed after its step-4 checkpoint, resumed to 8, equals a straight run;
-    the data position is one global item (any DP layout resumes it: tests/e2e/test_reliability.py)."""
+    the data position is one global item (any DP layout resumes it: tests/e2e/test_sample_order.py)."""
     rc, straight = drive(tmp_path / "straight", "--training.steps", "8", nproc=2)
     assert rc == 0 and len(straight) == 8
     ckpt = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4"]
@@ -114,10 +84,6 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
     assert resumed == straight[4:]
 
 
-def run_trainer(dump: Path, *args: str) -> Trainer:
-    return run_to_end([*TINY, "--job.dump_folder", str(dump), *args])
-
-
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -126,7 +92,7 @@ def test_async_keep_latest_k_and_weights_only_export(
     tmp_path: Path, small_model: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--training.steps", "6"]
-    trainer = run_trainer(
+    trainer = train_tiny(
         tmp_path,
         *ckpt,
         "--checkpoint.keep_latest_k",
@@ -164,7 +130,7 @@ def test_bad_checkpoints_are_clear_errors_and_touch_nothing(
     tmp_path: Path, small_model: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--training.steps", "2"]
-    run_trainer(tmp_path / "good", *ckpt)
+    train_tiny(tmp_path / "good", *ckpt)
     good = tmp_path / "good" / "checkpoint" / "step-2"
 
     def fails(case: str, match: str, *extra: str) -> None:

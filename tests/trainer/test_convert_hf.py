@@ -4,7 +4,6 @@ kiln -> HF -> kiln is bitwise identical; a trainer checkpoint converts and loads
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,19 +14,11 @@ import torch.nn.functional as F
 
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer
 from models.args import ffn_hidden_dim
-from tests.helpers.common import ROOT, open_trainer, run_trainer, tiny_run_args
+from tests.helpers.checkpoints import SMALL
+from tests.helpers.common import open_trainer, run_trainer, tiny_run_args
+from tests.helpers.scripts import load_script
 
-SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000)
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "scripts" / "convert_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-conv = _load_script()
+conv = load_script("convert_hf")
 
 
 def hf_llama_forward(sd: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -123,12 +114,7 @@ def test_round_trip_is_identical_and_config_maps_back() -> None:
         assert (b.n_kv_heads or b.n_heads) == (a.n_kv_heads or a.n_heads) and b.rope_theta == a.rope_theta
 
 
-@pytest.fixture
-def small_debugmodel(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(LLAMA3_FLAVORS, "debugmodel", SMALL)  # conftest ends any process group left behind
-
-
-def test_cli_trainer_checkpoint_to_hf_and_back(tmp_path: Path, small_debugmodel: None, capsys) -> None:
+def test_cli_trainer_checkpoint_to_hf_and_back(tmp_path: Path, small_model: None, capsys) -> None:
     from safetensors.torch import load_file
 
     base = tiny_run_args("--checkpoint.enable_checkpoint")

@@ -98,7 +98,8 @@ def test_relooping_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
 
 
 def test_unknown_dataset_name() -> None:
-    with pytest.raises(ConfigError, match="unknown dataset 'c5'; registered: kiln_corpus, c4"):
+    registered = "kiln_corpus, kiln_corpus_validation, c4, c4_validation"
+    with pytest.raises(ConfigError, match=f"unknown dataset 'c5'; registered: {registered}"):
         build_dataloader(Training(dataset="c5"), TOKENIZER, 0, 1)
 
 

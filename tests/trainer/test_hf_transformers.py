@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +20,12 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer
 from models.args import first_difference
-from tests.helpers.common import HANG_TIMEOUT_S, ROOT, TOKENIZER_PATH, open_trainer, tiny_run_args
-from tests.trainer.test_convert_hf import conv
+from tests.helpers.common import ROOT, TOKENIZER_PATH, open_trainer, tiny_run_args
+from tests.helpers.kiln_process import run_kiln
+from tests.helpers.scripts import load_script
 from trainer.components.tokenizer import Tokenizer
+
+conv = load_script("convert_hf")
 
 assert int(transformers.__version__.split(".")[0]) >= 5, transformers.__version__
 VOCAB = 2256  # the bundled tokenizer's size, so exports carry it
@@ -396,15 +397,9 @@ def test_trainer_starts_from_converted_checkpoint_and_refuses_other_rope(tmp_pat
     with pytest.raises(CheckpointError, match="rope_theta is 10000.0 there but 500000"):
         with open_trainer(tiny_run_args("--checkpoint.enable_checkpoint", "--job.dump_folder", str(tmp_path / "b"))):
             pass
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *argv, "--checkpoint.initial_load_path", str(other)],
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT_S,
-        cwd=tmp_path,
-    )
+    proc = run_kiln([*argv, "--checkpoint.initial_load_path", other], launcher="python", cwd=tmp_path)
     assert proc.returncode == 2 and "rope_theta is 10000.0 there" in proc.stderr, proc.stderr[-2000:]
-    assert [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")] != []
+    assert proc.error_lines() != []
 
 
 def test_checkpoints_saved_before_the_rope_fields_still_resume() -> None:

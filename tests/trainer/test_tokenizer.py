@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from tests.helpers.common import ROOT, TOKENIZER_PATH
+from tests.helpers.scripts import load_script
 from trainer.components.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 CORPUS_PATH = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
@@ -21,17 +19,6 @@ CORPUS_PATH = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer(str(TOKENIZER_PATH))
-
-
-def _load_script(name: str) -> ModuleType:
-    """Import a file from scripts/ (not a package) as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_vocab_and_special_ids(tok: Tokenizer) -> None:
@@ -111,7 +98,7 @@ def test_directory_path_raises(tmp_path: Path) -> None:
 
 
 def test_train_is_deterministic(tmp_path: Path) -> None:
-    train_tokenizer = _load_script("train_tokenizer")
+    train_tokenizer = load_script("train_tokenizer")
     texts = [
         "the cat sat on the mat. the cat said meow.",
         "seven plus five is twelve. 7 + 5 = 12.",
@@ -135,6 +122,6 @@ def test_train_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_train_rejects_too_small_corpus() -> None:
-    train_tokenizer = _load_script("train_tokenizer")
+    train_tokenizer = load_script("train_tokenizer")
     with pytest.raises(ValueError, match="corpus too small"):
         train_tokenizer.train(["ab"], 300)

@@ -19,11 +19,13 @@ lock, names and retention rules are in trainer/components/checkpoint_folder.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -47,14 +49,21 @@ from trainer.components.checkpoint_folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
     FolderClaim,
+    agree,
     prepare_save,
     publish,
     purge,
+    remove_killed_save,
     remove_killed_saves,
     save_name,
     scan,
 )
-from trainer.components.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, load_metadata
+from trainer.components.checkpoint_reader import (
+    IncompleteCheckpointError,
+    check_loaded_state,
+    load,
+    read_metadata,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -87,14 +96,15 @@ def resolve_step_dir(path: str) -> str:
 def check_stored_args(entry: Entry, model: Any) -> None:
     """A weights-only step-N's stored ModelArgs (kiln.json) must be the model's: same shapes are not enough
     (rope_theta, norm_eps, rope scaling change what the weights compute)."""
-    from models.args import ModelArgs, first_difference
+    from models.args import ModelArgs, first_difference, stored_model_args
 
     saved = (entry.marker() or {}).get("model_args")
     ours = getattr(model, "model_args", None)
     if not isinstance(saved, dict) or ours is None:
         return
     known = {f.name for f in dataclasses.fields(ModelArgs)}
-    diff = first_difference(ModelArgs(**{k: v for k, v in saved.items() if k in known}), ours)
+    stored = stored_model_args({k: v for k, v in saved.items() if k in known}, f"{entry.path}/{MARKER}")
+    diff = first_difference(stored, ours)
     if diff is not None:
         field, there, here = diff
         raise CheckpointError(
@@ -129,36 +139,6 @@ def plain_tensor(t: Any) -> Any:
 
 def _is_dataclass_instance(obj: Any) -> TypeGuard[DataclassInstance]:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """A checkpoint with a missing, truncated or unreadable index or data file."""
-
-
-def read_metadata(path: str) -> Metadata:
-    """The DCP index of checkpoint folder `path` (restricted unpickling), checked against its files' sizes.
-
-    Raises UnsafeCheckpointError for a global that is not DCP metadata, IncompleteCheckpointError otherwise.
-    """
-    meta_file = os.path.join(path, ".metadata")
-    try:
-        md = load_metadata(path)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as e:  # unpickling garbage can raise almost anything
-        msg = f"checkpoint {meta_file} is corrupt or truncated: {type(e).__name__}: {e}"
-        raise IncompleteCheckpointError(msg) from None
-    needed: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for rel, need in sorted(needed.items()):
-        f = os.path.join(path, rel)
-        if not os.path.isfile(f):
-            raise IncompleteCheckpointError(f"checkpoint file {f} is missing (listed in {meta_file})")
-        size = os.path.getsize(f)
-        if size < need:
-            raise IncompleteCheckpointError(f"checkpoint file {f} is truncated: {size} bytes, its index needs {need}")
-    return md
 
 
 def is_model_key(key: str) -> bool:
@@ -204,6 +184,16 @@ def check_matches(
                     f"{where} holds another model: '{key}' has shape {got} there but {shape} "
                     "in this model (check model.flavor and the tokenizer's vocabulary)"
                 )
+    for key, value in flat.items():  # the optimizer's tensors too: a record is never larger than what it fills
+        entry = saved.get(key)
+        if is_model_key(key) or entry is None or not isinstance(value, torch.Tensor):
+            continue
+        got = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "not a tensor"
+        if got != tuple(value.shape):
+            raise CheckpointError(
+                f"{where} does not match this run's optimizer/state: '{key}' has shape {got} there but "
+                f"{tuple(value.shape)} here"
+            )
     extra = [
         k
         for k in saved
@@ -387,12 +377,14 @@ class CheckpointManager:
         if last_step is None:
             return
         clashes = []
-        for e in entries:
+        others = scan(self.folder, others=True)  # links, files: never written through or replaced
+        for e in [*entries, *others]:
             if not (start < e.step <= last_step and self.due(e.step, e.step == last_step)):
                 continue
-            if self._weights_only_save(e.step == last_step) != e.export or e.kiln_saving:
+            if self._weights_only_save(e.step == last_step) != e.export or (e.kiln_saving and e not in others):
                 continue  # another kind of save, or our own killed save (replaced)
-            clashes.append(e.name)
+            what = " (a symbolic link)" if os.path.islink(e.path) else " (not a folder)"
+            clashes.append(e.name + (what if e in others else ""))
         if clashes:
             raise CheckpointError(
                 f"checkpoint folder {self.folder} already holds {', '.join(clashes[:3])}, which this run (steps "
@@ -429,16 +421,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
-        try:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(path, md))
-        except (Exception, CheckpointException) as e:  # gathers every rank's failure: all ranks raise here
-            failures = getattr(e, "failures", None)
-            cause = next(iter(failures.values()))[0] if failures else e
-            if isinstance(cause, CheckpointError):  # refused as unsafe: its own line
-                raise CheckpointError(str(cause)) from None
-            raise CheckpointError(
-                f"checkpoint {path} could not be read (corrupt?): {type(cause).__name__}: {cause}"
-            ) from None
+        load(sd, path, md)
+        self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]
         set_model_state_dict(model, {k: v for k, v in sd.items() if is_model_key(k)})
         if not weights_only:
@@ -452,6 +436,32 @@ class CheckpointManager:
         kind = "model weights only; training starts at step 0" if weights_only else "full state"
         logger.info(f"Loaded checkpoint {path} ({kind}) in {time.perf_counter() - t0:.2f} s")
         return int(sd[TRAIN_STATE]["step"]) if TRAIN_STATE in sd else 0
+
+    def _check_loaded(self, sd: dict[str, Any], entry: Entry, weights_only: bool) -> None:
+        """What `entry` loaded into `sd`, against what kiln writes (checkpoint_reader.check_loaded_state) and its
+        kiln.json step against its name, before anything is applied; every rank raises the first rank's refusal
+        (each checked its own shards)."""
+        error = None
+        try:
+            marker_step = (entry.marker() or {}).get("step", entry.step)
+            if not weights_only and marker_step != entry.step:
+                raise CheckpointError(
+                    f"checkpoint {entry.path}: its {MARKER} says step {marker_step!r}, its name step {entry.step} "
+                    "(a renamed or crafted folder; not loaded)"
+                )
+            check_loaded_state(sd, entry.path, None if weights_only else entry.step, self._n_words())
+        except CheckpointError as e:
+            error = str(e)
+        error = agree(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _n_words(self) -> int:
+        """The vocabulary the data loader's buffered token ids must lie in: the tokenizer's, else the model's."""
+        n = getattr(self.states.get(DATALOADER), "n_words", None)
+        if n is None:
+            n = getattr(getattr(self.states[MODEL], "model_args", None), "vocab_size", None)
+        return n if isinstance(n, int) else 2**63
 
     def _remove_killed_saves(self) -> None:
         self._barrier()  # every rank has listed the folder before rank 0 changes it
@@ -487,6 +497,10 @@ class CheckpointManager:
                 prepare_save(self.folder, name)
             except CheckpointError as e:
                 error = str(e)
+            except OSError as e:  # a full disk or a read-only remount: nothing of this save exists yet
+                newest = complete_steps(self.folder)
+                intact = f"; {step_dir(self.folder, newest[-1])} is intact" if newest else ""
+                error = f"saving checkpoint {name}: cannot create {name}.tmp in {self.folder}: {e}{intact}"
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [error]
             dist.broadcast_object_list(box, src=0, group=self._pg)  # also keeps ranks > 0 out of the folder till now
@@ -526,8 +540,9 @@ class CheckpointManager:
             self._pending = (future, step, weights_only, t0)
             logger.info(f"Checkpoint {name}: staged in {time.perf_counter() - t0:.2f} s, writing in background")
             return
-        dcp.save(sd, checkpoint_id=tmp)
-        self._publish(step, weights_only)
+        with self._writing(name):
+            dcp.save(sd, checkpoint_id=tmp)
+            self._publish(step, weights_only)
         logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
 
     def _finish_pending(self) -> None:
@@ -535,10 +550,39 @@ class CheckpointManager:
             return
         future, step, weights_only, t0 = self._pending
         self._pending = None
-        future.result()  # re-raises a failed background save
-        self._publish(step, weights_only)
         name = save_name(step, export=weights_only)
+        with self._writing(name):
+            future.result()  # re-raises a failed background save
+            self._publish(step, weights_only)
         logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s (async)")
+
+    @contextlib.contextmanager
+    def _writing(self, name: str) -> Iterator[None]:
+        """Around the writes of save `name`: a write that fails (a full disk, a quota, a read-only remount) removes
+        the partial `name.tmp` (rank 0) and stops the run with one line naming the folder, the free space on its
+        disk and the newest complete checkpoint, which is intact. A failed collective (a lost rank) is not a write
+        failure: it passes through to train.py's lost-peer report."""
+        try:
+            yield
+        except (CheckpointException, OSError) as e:
+            failures = getattr(e, "failures", None)
+            cause = next(iter(failures.values()))[0] if failures else e
+            reason = " ".join(f"{type(cause).__name__}: {cause}".split())[:200]
+            if self.rank == 0:
+                remove_killed_save(self.folder, name)
+            try:
+                free = f"{shutil.disk_usage(self.folder).free / 2**20:,.0f} MiB free"
+            except OSError:
+                free = "free space unknown"
+            done = complete_steps(self.folder)
+            good = "no complete checkpoint was saved before this one"
+            if done:
+                good = f"{step_dir(self.folder, done[-1])} is the newest complete checkpoint and is intact"
+            raise CheckpointError(
+                f"saving checkpoint {name} into {self.folder} failed ({reason}); the disk holding it has {free}; "
+                f"{good}; the partial {name}.tmp was removed. Free space (or set checkpoint.folder elsewhere) and "
+                "run again to resume"
+            ) from None
 
     def _publish(self, step: int, weights_only: bool) -> None:
         """Rank 0: make a finished save visible (marker, then rename), then apply keep_latest_k.

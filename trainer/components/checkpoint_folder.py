@@ -5,7 +5,12 @@ Rules (docs/checkpoint.md):
   the run's life; the kernel releases it when the process dies, so a killed run never blocks the next one.
 - kiln writes only `step-N` (full checkpoints, the resume points), `export-step-N` (weights-only exports, never
   resumed from) and their `.tmp` folders while a save is in flight. A `.tmp` holds `.kiln-saving` from the
-  moment kiln creates it; only such a folder is ever removed as "a killed save". Other names are never touched.
+  moment it has its name: kiln makes it as `.kiln-new-*`, marks it, then renames it, so a kill at any moment
+  leaves either a marked `.tmp` or a `.kiln-new-*`; a folder kiln deletes is first renamed `.kiln-removing-*`.
+  Only marked `.tmp` folders and those two private names are ever removed as "a killed save"; other names are
+  never touched.
+- Nothing kiln writes, truncates or removes follows a link (kiln_base/files.py): the lock file, the marks, a
+  `.tmp` in the way are refused when they are links.
 - keep_latest_k deletes only checkpoints whose kiln.json proves kiln published them in this very folder
   (`save_seq` and `written_to`), by save order, per kind; the newest save is always kept.
 """
@@ -19,22 +24,33 @@ import json
 import logging
 import os
 import re
-import shutil
+import secrets
 import socket
-import tempfile
 import time
 from typing import Any
 
 import torch.distributed as dist
 
 from kiln_base.errors import CheckpointError
+from kiln_base.files import (
+    FileRefused,
+    loads_json,
+    open_no_follow,
+    read_bounded,
+    remove_tree,
+    writable_dir_problem,
+    write_atomic,
+)
 
 logger = logging.getLogger("kiln")
 
 MARKER = "kiln.json"  # written into every checkpoint kiln publishes
 SAVING = ".kiln-saving"  # written into step-N.tmp when kiln starts a save there
 LOCK_FILE = ".kiln.lock"
-_NAME = re.compile(r"^(export-)?step-(\d+)(\.tmp)?$")
+NEW, REMOVING = ".kiln-new-", ".kiln-removing-"  # private names: a save being created, a folder being deleted
+# The names save_name writes: no leading zeros, at most 18 digits (a step is an int64).
+_NAME = re.compile(r"^(export-)?step-(0|[1-9]\d{0,17})(\.tmp)?$")
+MARKER_LIMIT = 1 << 20  # kiln.json is ~1 KB
 
 
 def save_name(step: int, export: bool) -> str:
@@ -61,13 +77,13 @@ class Entry:
     @property
     def kiln_saving(self) -> bool:
         """A `.tmp` kiln created for a save (and, as the folder lock is ours now, one whose writer is gone)."""
-        return self.tmp and os.path.isfile(os.path.join(self.path, SAVING))
+        mark = os.path.join(self.path, SAVING)
+        return self.tmp and os.path.isfile(mark) and not os.path.islink(mark)
 
     def marker(self) -> dict[str, Any] | None:
         """kiln.json, or None when absent or unreadable (then kiln cannot prove it wrote this)."""
         try:
-            with open(os.path.join(self.path, MARKER)) as f:
-                marker = json.load(f)
+            marker = loads_json(read_bounded(os.path.join(self.path, MARKER), MARKER_LIMIT, "a kiln.json"))
         except (OSError, ValueError):
             return None
         return marker if isinstance(marker, dict) else None
@@ -88,15 +104,18 @@ class Entry:
         return marker
 
 
-def scan(folder: str) -> list[Entry]:
-    """The names kiln may own under `folder` (directories only), in step order."""
+def scan(folder: str, others: bool = False) -> list[Entry]:
+    """The names kiln may own under `folder` (directories only), in step order; with `others`, instead, those names
+    held by something else (a symbolic link, a file, a FIFO): never loaded, written through or removed, and a save
+    that would use one is refused at start."""
     if not os.path.isdir(folder):
         return []
     entries = []
     for name in os.listdir(folder):
         m = _NAME.match(name)
         path = os.path.join(folder, name)
-        if m and os.path.isdir(path) and not os.path.islink(path):
+        real_dir = os.path.isdir(path) and not os.path.islink(path)
+        if m and real_dir != others:
             entries.append(Entry(path, int(m.group(2)), bool(m.group(1)), bool(m.group(3))))
     return sorted(entries, key=lambda e: (e.step, e.export, e.tmp))
 
@@ -110,19 +129,14 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_json(path: str, obj: dict[str, Any]) -> None:
-    """Write JSON durably and atomically (temp file, fsync, rename)."""
-    tmp = path + ".part"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
+    """Write JSON durably and atomically (temp file, fsync, rename), never through a link."""
+    write_atomic(path, json.dumps(obj, indent=1).encode())
 
 
 # ---------------------------------------------------------------------------------------------- claiming
 
 
-def _agree(error: str | None) -> str | None:
+def agree(error: str | None) -> str | None:
     """Every rank learns the first rank's error (rank order), so all ranks raise the same one or none does."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return error
@@ -133,17 +147,8 @@ def _agree(error: str | None) -> str | None:
 
 def _check_writable(folder: str) -> str | None:
     """Create `folder` if needed and prove it takes a new file; the error line, or None."""
-    where = f"checkpoint folder {folder} (job.dump_folder + checkpoint.folder)"
-    if os.path.lexists(folder) and not os.path.isdir(folder):
-        return f"{where} exists and is not a directory"
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".kiln-write-test-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return f"{where} is not usable: {e.strerror or e} (checked at start, before training)"
-    return None
+    problem = writable_dir_problem(folder)
+    return None if problem is None else f"checkpoint folder {folder} (job.dump_folder + checkpoint.folder) {problem}"
 
 
 class FolderLock:
@@ -151,7 +156,10 @@ class FolderLock:
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK_FILE)
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd: int | None = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        except (OSError, FileRefused) as e:
+            raise CheckpointError(f"checkpoint folder {folder}: cannot take its lock: {e}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -186,7 +194,7 @@ class FolderClaim:
                 self._lock = FolderLock(folder)
             except CheckpointError as e:
                 error = str(e)
-        error = _agree(error)  # every rank raises, or none does
+        error = agree(error)  # every rank raises, or none does
         if error is not None:
             self.release()
             raise CheckpointError(error)
@@ -202,17 +210,23 @@ class FolderClaim:
 
 
 def prepare_save(folder: str, name: str) -> None:
-    """Rank 0, before a save: create `name.tmp` with the .kiln-saving mark; refuse to write over anything."""
+    """Rank 0, before a save: create `name.tmp` with the .kiln-saving mark; refuse to write over anything.
+
+    The folder is made under a private name (`.kiln-new-*`), marked, then renamed: a `.tmp` never exists
+    without its mark, so a kill at any moment leaves nothing the next start must refuse."""
     final = os.path.join(folder, name)
     tmp = final + ".tmp"
     if os.path.lexists(final):
         raise CheckpointError(f"{final} already exists; kiln does not write over a checkpoint: move it out of {folder}")
     if os.path.lexists(tmp):
-        if not Entry(tmp, 0, False, True).kiln_saving:
-            raise CheckpointError(f"{tmp} exists and is not a save kiln started; move it out of {folder}")
-        shutil.rmtree(tmp)  # our own killed save (the folder lock proves its writer is gone)
-    os.makedirs(tmp)
-    write_json(os.path.join(tmp, SAVING), {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        if os.path.islink(tmp) or not Entry(tmp, 0, False, True).kiln_saving:
+            what = "a symbolic link" if os.path.islink(tmp) else "not a save kiln started"
+            raise CheckpointError(f"{tmp} exists and is {what}; move it out of {folder}")
+        _remove_owned(folder, tmp)  # our own killed save (the folder lock proves its writer is gone)
+    new = os.path.join(folder, f"{NEW}{name}-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(new)
+    write_json(os.path.join(new, SAVING), {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+    os.rename(new, tmp)
 
 
 def next_save_seq(folder: str) -> int:
@@ -242,16 +256,47 @@ def purge(folder: str, keep: int) -> None:
         ours = [(m["save_seq"], e) for e in scan(folder) if e.export == export and (m := e.published_here())]
         for _, e in sorted(ours, key=lambda x: x[0])[:-keep]:
             logger.info(f"checkpoint.keep_latest_k={keep}: deleting {e.path} (superseded)")
-            shutil.rmtree(e.path, ignore_errors=True)
+            _remove_owned(folder, e.path)
+
+
+def _remove_owned(folder: str, path: str) -> None:
+    """Delete `path`, a folder kiln owns in `folder`: first renamed to a private `.kiln-removing-*` name (one
+    atomic step), so a kill half-way leaves a name kiln removes at its next start, never a half-deleted `.tmp`
+    or checkpoint that looks like something else. A link is refused (kiln_base.files.remove_tree)."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link; kiln never removes through a link: move it out of {folder}")
+    trash = os.path.join(folder, f"{REMOVING}{os.path.basename(path)}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, trash)
+    except OSError as e:  # left as it was: a good checkpoint stays one, a killed save is tried again next start
+        logger.warning(f"Could not delete {path} ({e}); left in place")
+        return
+    try:
+        remove_tree(trash)
+    except OSError as e:  # kiln's own private name: retried at the next start
+        logger.warning(f"Could not finish deleting {trash} ({e}); the next start retries")
+
+
+def remove_killed_save(folder: str, name: str) -> None:
+    """Rank 0, after a failed write of save `name`: delete its `.tmp` when it is kiln's (marked, not a link)."""
+    tmp = os.path.join(folder, name + ".tmp")
+    if Entry(tmp, 0, False, True).kiln_saving and not os.path.islink(tmp):
+        _remove_owned(folder, tmp)
 
 
 def remove_killed_saves(folder: str) -> None:
-    """Rank 0, at start: delete `.tmp` folders of kiln's own killed saves; warn about other `.tmp` names."""
+    """Rank 0, at start: delete `.tmp` folders of kiln's own killed saves and kiln's private `.kiln-new-*` /
+    `.kiln-removing-*` folders (the lock proves their writers are gone); warn about other `.tmp` names."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if name.startswith((NEW, REMOVING)) and os.path.isdir(path) and not os.path.islink(path):
+            logger.warning(f"Removing {path}: kiln's own folder from a save or deletion that was killed")
+            _remove_owned(folder, path)
     for e in scan(folder):
         if not e.tmp:
             continue
         if e.kiln_saving:
             logger.warning(f"Removing {e.path}: a save that was killed before it completed")
-            shutil.rmtree(e.path, ignore_errors=True)
+            _remove_owned(folder, e.path)
         else:
             logger.warning(f"Leaving {e.path} alone: not a save kiln started (no {SAVING})")

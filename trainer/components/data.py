@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kiln_base.config import Training
+from kiln_base.config import Training, Validation, validation_shape
 from kiln_base.errors import CheckpointError, DataError
 from trainer.components.data_sources import (
     DATASETS,
@@ -45,8 +45,8 @@ class TokenWindows:
 
     Documents are encoded with bos and eos and concatenated, so windows cross document boundaries (standard
     pretraining packing). Shards (files) are read in order, records in file order. When the data runs out it
-    warns and starts over. Every record must have a string `text_key` field; a bad one is a DataError naming
-    the file (or shard) and the record.
+    warns and starts over (`loop`; else the iteration ends). Every record must have a string `text_key` field; a
+    bad one is a DataError naming the file (or shard) and the record.
     """
 
     def __init__(
@@ -57,6 +57,8 @@ class TokenWindows:
         text_key: str = "text",
         source: str = "training dataset",
         shard_files: list[str] | None = None,
+        loop: bool = True,
+        seq_len_key: str = "training.seq_len",
     ) -> None:
         self.data = source_records
         self.n_shards = source_records.n_shards
@@ -65,6 +67,8 @@ class TokenWindows:
         self.window = seq_len + 1
         self.text_key = text_key
         self.source = source  # named in errors
+        self.loop = loop
+        self.seq_len_key = seq_len_key  # named in errors
         # The position: `sequences` windows produced; the next record is `record` of `shard` in `epoch`;
         # `buffer` holds the tokens read but not yet in a window.
         self.sequences = 0
@@ -92,8 +96,10 @@ class TokenWindows:
                 raise DataError(f"{self.source}: no records{files}")
             if from_start and not produced:
                 raise DataError(
-                    f"{self.source} is too small to fill one sequence of training.seq_len + 1 = {self.window} tokens"
+                    f"{self.source} is too small to fill one sequence of {self.seq_len_key} + 1 = {self.window} tokens"
                 )
+            if not self.loop:
+                return
             self.epoch, self.shard = self.epoch + 1, 0
             logger.warning(f"dataset exhausted; re-looping (epoch {self.epoch})")
 
@@ -144,19 +150,8 @@ class TokenWindows:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"sequences", "epoch", "shard", "record", "buffer"}
-        if set(state) != expected:
-            raise CheckpointError(
-                f"the checkpoint's data-loader state has keys {sorted(state)}, expected {sorted(expected)} "
-                "(saved by an older kiln with per-rank positions?)"
-            )
-        ints = [state[k] for k in ("sequences", "epoch", "shard", "record")]
-        buffer = state["buffer"]
-        if not all(type(v) is int for v in ints) or type(buffer) is not list or any(type(t) is not int for t in buffer):
-            raise CheckpointError(
-                "the checkpoint's data-loader position is not plain integers (sequences, epoch, shard, record and a "
-                "list of token ids); it was not written by this kiln and is not used"
-            )
+        """A position from a checkpoint: its values were checked (plain integers, token ids inside the vocabulary)
+        by checkpoint_reader.check_loaded_state; the shard must exist in this dataset."""
         if not 0 <= state["shard"] < self.n_shards:
             raise CheckpointError(
                 f"the checkpoint's data position is in shard {state['shard'] + 1}, but {self.source} has "
@@ -199,6 +194,11 @@ class DataLoader:
 
     def __iter__(self) -> DataLoader:
         return self
+
+    @property
+    def n_words(self) -> int:
+        """The tokenizer's vocabulary: every token id of a batch (and of a saved position) lies below it."""
+        return self.windows.tokenizer.n_words
 
     def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         rows = []
@@ -268,6 +268,21 @@ class DataLoader:
         self._reset()
         self.windows.load_state_dict(state)
         self._position = self.windows.state_dict()
+
+
+def build_validation_loader(
+    v: Validation, t: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, pin_memory: bool = False
+) -> DataLoader:
+    """This DP rank's slice of the validation set's global batches, from the set's start, once through (the
+    iteration ends with the set; an incomplete last round of dp_degree x local batch windows is dropped)."""
+    records, files = load_text_dataset(v.dataset, v.dataset_path, "validation")
+    text_key = DATASETS[v.dataset].text_key if v.dataset in DATASETS else "text"
+    source = f"validation.dataset_path {v.dataset_path}" if v.dataset_path else f"validation.dataset {v.dataset}"
+    batch, seq_len = validation_shape(v, t)
+    windows = TokenWindows(
+        records, tokenizer, seq_len, text_key, source, files, loop=False, seq_len_key="validation.seq_len"
+    )
+    return DataLoader(windows, batch, dp_rank, dp_degree, prefetch=t.data_prefetch, pin_memory=pin_memory)
 
 
 def dataset_fingerprint(cfg: Training, files: list[str] | None) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kiln_base.config import Training
+from kiln_base.config import Training, Validation
 from kiln_base.errors import ConfigError, DataError
+from kiln_base.files import loads_json, require_regular
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,19 +25,25 @@ class DatasetSpec:
     hub_config: str | None = None
     hub: bool = False
     text_key: str = "text"
+    split: str = "train"  # a hub dataset's split
 
 
+CORPUS = os.path.join(REPO_ROOT, "assets", "corpus")
 DATASETS: dict[str, DatasetSpec] = {
-    "kiln_corpus": DatasetSpec(os.path.join(REPO_ROOT, "assets", "corpus", "kiln_corpus.jsonl")),
+    "kiln_corpus": DatasetSpec(os.path.join(CORPUS, "kiln_corpus.jsonl")),
+    # The held-out split (validation's default): documents the generator made after the training ones, none of
+    # them in kiln_corpus (scripts/make_corpus.py).
+    "kiln_corpus_validation": DatasetSpec(os.path.join(CORPUS, "kiln_corpus_validation.jsonl")),
     "c4": DatasetSpec("allenai/c4", hub_config="en", hub=True),
+    "c4_validation": DatasetSpec("allenai/c4", hub_config="en", hub=True, split="validation"),
 }
 
 
-def _registered(name: str) -> DatasetSpec:
+def _registered(name: str, section: str) -> DatasetSpec:
     if name not in DATASETS:
         raise ConfigError(
-            f"training.dataset: unknown dataset '{name}'; registered: {', '.join(DATASETS)} "
-            "(or set training.dataset_path)"
+            f"{section}.dataset: unknown dataset '{name}'; registered: {', '.join(DATASETS)} "
+            f"(or set {section}.dataset_path)"
         )
     return DATASETS[name]
 
@@ -44,8 +51,8 @@ def _registered(name: str) -> DatasetSpec:
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-def _local_files(path: str) -> tuple[str, list[str]]:
-    """The `datasets` builder name and the data files for a local file or folder."""
+def _local_files(path: str, section: str) -> tuple[str, list[str]]:
+    """The `datasets` builder name and the data files for a local file or folder (`section`.dataset_path)."""
     if os.path.isdir(path):
         files = sorted(
             os.path.join(root, f)
@@ -56,15 +63,21 @@ def _local_files(path: str) -> tuple[str, list[str]]:
     else:
         files = [path]
     if not files:
-        raise ConfigError(f"training.dataset_path: no .jsonl/.json/.parquet/.txt files under {path}")
+        raise ConfigError(f"{section}.dataset_path: no .jsonl/.json/.parquet/.txt files under {path}")
     kinds = {_FORMATS.get(os.path.splitext(f)[1]) for f in files}
     if None in kinds or len(kinds) != 1:
         raise ConfigError(
-            f"training.dataset_path: {path} must hold files of one format: .jsonl, .json, .parquet or .txt"
+            f"{section}.dataset_path: {path} must hold files of one format: .jsonl, .json, .parquet or .txt"
         )
     kind = kinds.pop()
     assert kind is not None
     for f in files:
+        try:
+            require_regular(f)  # a FIFO or device would block the first read, or never end
+        except OSError as e:
+            raise ConfigError(f"training.dataset_path: cannot read {f}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ConfigError(f"training.dataset_path: {e} (give .jsonl/.json/.parquet/.txt files)") from None
         _check_readable(f, kind)
     return kind, files
 
@@ -126,9 +139,11 @@ def first_bad_record(path: str, key: str, max_records: int | None = None) -> str
                 continue
             record += 1
             try:
-                problem = record_problem(json.loads(line.rstrip("\r\n")), key)
+                problem = record_problem(loads_json(line.rstrip("\r\n")), key)
             except json.JSONDecodeError as e:
                 return f"record {record} (line {line_no}): not valid JSON ({e.msg}, column {e.colno})"
+            except ValueError as e:  # nested too deep to parse
+                return f"record {record} (line {line_no}): not valid JSON ({e})"
             if problem is not None:
                 return f"record {record} (line {line_no}): {problem}; every record needs a string '{key}' field"
     return None
@@ -151,7 +166,7 @@ class JsonLinesFiles:
                 if not raw.decode("utf-8").strip():
                     continue
                 if seen >= start:
-                    yield json.loads(raw)
+                    yield loads_json(raw)
                 seen += 1
 
 
@@ -167,24 +182,27 @@ class HFStream:
         return iter(ds.skip(start) if start else ds)
 
 
-def load_text_dataset(name: str, path: str | None) -> tuple[JsonLinesFiles | HFStream, list[str] | None]:
-    """The records of a registered name or a local path, and its shards' file names (None for a hub dataset)."""
+def load_text_dataset(
+    name: str, path: str | None, section: str = "training"
+) -> tuple[JsonLinesFiles | HFStream, list[str] | None]:
+    """The records of a registered name or a local path (`section`'s dataset keys), and its shards' file names
+    (None for a hub dataset)."""
     if path is None:
-        spec = _registered(name)
+        spec = _registered(name, section)
         if spec.hub:
             import datasets  # lazy: heavy import
 
             try:
                 return HFStream(
-                    datasets.load_dataset(spec.path, name=spec.hub_config, split="train", streaming=True)
+                    datasets.load_dataset(spec.path, name=spec.hub_config, split=spec.split, streaming=True)
                 ), None
             except Exception as e:  # offline, gated, renamed: whatever the hub says, it is not a kiln bug
                 raise ConfigError(
-                    f"training.dataset {name}: cannot open {spec.path} on the Hugging Face hub ({e}); "
-                    "use training.dataset_path for local data"
+                    f"{section}.dataset {name}: cannot open {spec.path} on the Hugging Face hub ({e}); "
+                    f"use {section}.dataset_path for local data"
                 ) from None
         path = spec.path
-    builder, files = _local_files(path)
+    builder, files = _local_files(path, section)
     if all(f.endswith(".jsonl") for f in files):
         return JsonLinesFiles(files), files
     import datasets  # lazy: heavy import
@@ -195,16 +213,17 @@ def load_text_dataset(name: str, path: str | None) -> tuple[JsonLinesFiles | HFS
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
     except StopIteration:  # what `datasets` raises when it infers the columns from empty files
-        raise DataError(f"training.dataset_path {path}: no records in {', '.join(files)}") from None
+        raise DataError(f"{section}.dataset_path {path}: no records in {', '.join(files)}") from None
     if ds.n_shards != len(files):  # one shard per file is what names files in errors
         raise AssertionError(f"expected one shard per file, got {ds.n_shards} shards for {len(files)} files")
     return HFStream(ds), files
 
 
-def check_data_source(cfg: Training) -> None:
+def check_data_source(cfg: Training | Validation) -> None:
     """The dataset name is registered, and a local dataset's files exist, share one format and start with a
     good record (ConfigError / DataError naming the key, file and line). A hub dataset is only named here."""
+    section = "validation" if isinstance(cfg, Validation) else "training"
     if cfg.dataset_path is not None:
-        _local_files(cfg.dataset_path)
-    elif not (spec := _registered(cfg.dataset)).hub:
-        _local_files(spec.path)
+        _local_files(cfg.dataset_path, section)
+    elif not (spec := _registered(cfg.dataset, section)).hub:
+        _local_files(spec.path, section)

@@ -17,6 +17,7 @@ Used by scripts/convert_hf.py and by the Trainer's `checkpoint.initial_load_path
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,18 @@ from typing import Any
 
 import torch
 
-from kiln_base.errors import ConfigError
+from kiln_base.config import check_model_fields
+from kiln_base.errors import ConfigError, UserError
+from kiln_base.files import (
+    FileRefused,
+    MiB,
+    inside,
+    loads_json,
+    read_bounded,
+    refuse_link,
+    require_regular,
+    write_atomic,
+)
 from models.args import ModelArgs, ffn_hidden_dim
 from trainer.components.tokenizer import PAT_STR, Tokenizer
 
@@ -138,7 +150,12 @@ def hf_to_kiln(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
 
 
 def _refuse(where: str, field: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"{where}: {field} = {json.dumps(value)}: {why}; kiln's Llama cannot compute it exactly")
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ConfigError(f"{where}: {field} = {shown}: {why}; kiln's Llama cannot compute it exactly")
 
 
 def _rope(cfg: dict, where: str) -> dict[str, Any]:
@@ -148,25 +165,32 @@ def _rope(cfg: dict, where: str) -> dict[str, Any]:
         field, rope = "rope_parameters", dict(cfg["rope_parameters"])
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     else:
-        field, rope = "rope_scaling", dict(cfg.get("rope_scaling") or {})
+        field = "rope_scaling"
+        if not isinstance(cfg.get("rope_scaling") or {}, dict):
+            raise _refuse(where, field, cfg[field], "not a JSON object")
+        rope = dict(cfg.get("rope_scaling") or {})
         theta = cfg.get("rope_theta", 10000.0)
     if any(isinstance(v, dict) for v in rope.values()):
         raise _refuse(where, field, cfg[field], "per-layer-type rope parameters")
     kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     rope.pop("type", None)
-    if not isinstance(theta, int | float) or theta <= 0:
+    if type(theta) not in (int, float) or theta <= 0:
         raise _refuse(where, "rope_theta", theta, "not a positive number")
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": False}
     if kind == "llama3":
         missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope]
         if missing:
             raise _refuse(where, field, cfg[field], f"rope type llama3 without {missing[0]}")
+        for key in LLAMA3_ROPE_KEYS:  # ranges: check_model_fields, on the ModelArgs
+            integer = key == "original_max_position_embeddings"
+            if not (type(rope[key]) is int if integer else type(rope[key]) in (int, float)):
+                raise _refuse(where, f"{field}.{key}", rope[key], f"not {'an integer' if integer else 'a number'}")
         out.update(
             rope_scaling=True,
             rope_scaling_factor=float(rope.pop("factor")),
             rope_low_freq_factor=float(rope.pop("low_freq_factor")),
             rope_high_freq_factor=float(rope.pop("high_freq_factor")),
-            rope_original_max_seq_len=int(rope.pop("original_max_position_embeddings")),
+            rope_original_max_seq_len=rope.pop("original_max_position_embeddings"),
         )
     elif kind != "default":
         raise _refuse(where, f"{field}.rope_type", kind, "kiln implements rope types default and llama3 only")
@@ -178,9 +202,26 @@ def _rope(cfg: dict, where: str) -> dict[str, Any]:
     return out
 
 
-def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
+def _number(cfg: dict, key: str, where: str, default: Any = None, kind: type = int) -> Any:
+    """cfg[key] (or `default` when absent), an int (kind int) or a number (kind float), never a bool or a string:
+    ConfigError naming the field otherwise. Ranges are checked with the rest of the shape (check_model_fields)."""
+    if key not in cfg:
+        if default is None:
+            raise ConfigError(f"{where}: missing key '{key}'")
+        return default
+    value = cfg[key]
+    ok = type(value) is int if kind is int else type(value) in (int, float)
+    if not ok:
+        raise _refuse(where, key, value, f"not {'an integer' if kind is int else 'a number'}")
+    return value
+
+
+def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
     """ModelArgs computing exactly what transformers' LlamaForCausalLM computes with config `cfg`, or a
-    ConfigError naming the field that kiln cannot represent. Missing keys take LlamaConfig's defaults."""
+    ConfigError naming the field that kiln cannot represent. Missing keys take LlamaConfig's defaults. Every
+    value is type- and range-checked (check_model_fields) before kiln divides by a head count."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: not a JSON object (a Hugging Face config.json holds one)")
     if cfg.get("model_type") != "llama":
         raise _refuse(where, "model_type", cfg.get("model_type"), "not a Llama model")
     if cfg.get("architectures") not in (None, ["LlamaForCausalLM"]):
@@ -196,16 +237,39 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
     ):
         if cfg.get(field, ok) != ok:
             raise _refuse(where, field, cfg[field], f"kiln's Llama has {field} = {json.dumps(ok)}")
+    dim, heads = _number(cfg, "hidden_size", where), _number(cfg, "num_attention_heads", where)
+    inter, layers = _number(cfg, "intermediate_size", where), _number(cfg, "num_hidden_layers", where)
+    vocab = _number(cfg, "vocab_size", where)
+    kv = cfg.get("num_key_value_heads")
+    kv = heads if kv is None else _number(cfg, "num_key_value_heads", where)
+    context = _number(cfg, "max_position_embeddings", where, 2048)
+    eps = _number(cfg, "rms_norm_eps", where, 1e-6, float)  # LlamaConfig's default
+    tied = cfg.get("tie_word_embeddings", False)
+    if type(tied) is not bool:
+        raise _refuse(where, "tie_word_embeddings", tied, "not true or false")
+    fields = {"dim": dim, "n_heads": heads, "n_kv_heads": kv, "n_layers": layers, "vocab_size": vocab}
+    fields |= {"multiple_of": inter, "norm_eps": eps, "context_len": context, "max_seq_len": context}
     try:
-        dim, heads, inter = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["intermediate_size"])
-        layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    except KeyError as e:
-        raise ConfigError(f"{where}: missing key {e}") from None
+        check_model_fields(fields, where)
+    except ConfigError as e:  # name the config.json key, not kiln's field
+        hf_names = {
+            "dim": "hidden_size",
+            "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads",
+            "n_layers": "num_hidden_layers",
+            "multiple_of": "intermediate_size",
+            "norm_eps": "rms_norm_eps",
+            "context_len": "max_position_embeddings",
+            "max_seq_len": "max_position_embeddings",
+        }
+        message = str(e)
+        for ours, theirs in hf_names.items():
+            message = message.replace(f"model {ours} ", f"{theirs} ")
+        raise ConfigError(message) from None
     if dim % heads:
         raise _refuse(where, "num_attention_heads", heads, f"does not divide hidden_size {dim}")
     if cfg.get("head_dim") not in (None, dim // heads):
         raise _refuse(where, "head_dim", cfg["head_dim"], f"kiln's head_dim is hidden_size / heads = {dim // heads}")
-    kv = int(cfg.get("num_key_value_heads") or heads)
     if heads % kv:
         raise _refuse(where, "num_key_value_heads", kv, f"does not divide num_attention_heads {heads}")
     base = int(2 * 4 * dim / 3)
@@ -217,12 +281,13 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
         vocab_size=vocab,
         multiple_of=inter,  # rounds the (scaled) 8/3*dim up to exactly `inter`
         ffn_dim_multiplier=None if base <= inter else inter / base,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
-        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-        context_len=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        norm_eps=float(eps),
+        max_seq_len=context,
+        context_len=context,
+        tie_word_embeddings=tied,
         **_rope(cfg, where),
     )
+    args.check_fields(where)  # the rope values too
     assert ffn_hidden_dim(args) == inter, (ffn_hidden_dim(args), inter)
     return args
 
@@ -272,14 +337,26 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG))
 
 
-def read_hf_args(folder: str) -> ModelArgs:
-    path = os.path.join(folder, CONFIG)
+MAX_JSON_BYTES = 64 * MiB  # config.json is ~1 KB; the index of a 405B model ~100 KB
+
+
+def read_json(path: str) -> Any:
+    """A JSON file of a model folder (config.json, the safetensors index): a regular file of bounded size and
+    nesting, ConfigError naming it otherwise."""
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        return loads_json(read_bounded(path, MAX_JSON_BYTES, "a JSON file of a model folder"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read: {e}") from None
-    return args_from_hf_config(cfg, path)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """A JSON file of an exported model folder, written whole and never through a link (kiln_base.files)."""
+    write_atomic(path, json.dumps(obj, indent=2).encode())
+
+
+def read_hf_args(folder: str) -> ModelArgs:
+    path = os.path.join(folder, CONFIG)
+    return args_from_hf_config(read_json(path), path)
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -291,35 +368,97 @@ def hf_weight_files(folder: str) -> dict[str, str]:
 
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(folder, v))})
-        if missing:
-            raise ConfigError(f"{index} names {os.path.join(folder, missing[0])}, which is missing")
-        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        loaded = read_json(index)
+        weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index}: no weight_map (a JSON object: weight name -> safetensors file)")
+        out = {}
+        for name, file in weight_map.items():
+            try:
+                path = inside(folder, file, f"{index}: weight_map['{name}']")
+            except FileRefused as e:
+                raise ConfigError(str(e)) from None
+            if not os.path.isfile(path):
+                raise ConfigError(f"{index} names {path}, which is missing (or not a regular file)")
+            out[name] = path
+        return out
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise ConfigError(f"{folder}: no .safetensors files (kiln reads safetensors only, never pickled .bin)")
     out = {}
     for name in files:
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
+        try:
+            require_regular(os.path.join(folder, name))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{folder}: cannot read {name}: {e}") from None
+        with _reading(os.path.join(folder, name)), safe_open(os.path.join(folder, name), framework="pt") as f:
             out.update(dict.fromkeys(f.keys(), os.path.join(folder, name)))
     return out
 
 
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Around the reads of safetensors file `path`: a damaged file (safetensors' own error, a missing weight, a
+    bad header) is a ConfigError naming it."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # SafetensorError is not exported under one stable name across versions
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {reason})") from None
+
+
+def kiln_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The shape of every kiln weight of a model with `args` (models/llama3.py's layout), known before a byte of a
+    weight file is read."""
+    head = args.dim // args.n_heads
+    q, kv, ffn = args.n_heads * head, kv_heads(args) * head, ffn_hidden_dim(args)
+    layer = {
+        "attention.wq.weight": (q, args.dim),
+        "attention.wk.weight": (kv, args.dim),
+        "attention.wv.weight": (kv, args.dim),
+        "attention.wo.weight": (args.dim, q),
+        "feed_forward.w1.weight": (ffn, args.dim),
+        "feed_forward.w3.weight": (ffn, args.dim),
+        "feed_forward.w2.weight": (args.dim, ffn),
+        "attention_norm.weight": (args.dim,),
+        "ffn_norm.weight": (args.dim,),
+    }
+    out = {f"layers.{i}.{k}": v for i in range(args.n_layers) for k, v in layer.items()}
+    out |= {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
+    return out | {"output.weight": (args.vocab_size, args.dim)}
+
+
 def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
-    """(kiln name, tensor in kiln's layout) for every weight of an HF folder, one file open at a time."""
+    """(kiln name, tensor in kiln's layout) for every weight of an HF folder, one file open at a time. Each
+    weight's stored shape is checked against config.json's model before the weight is read (a file's header can
+    declare a tensor of any size; a sparse file can back it), ConfigError naming the file and weight."""
     from safetensors import safe_open
 
+    shapes = kiln_shapes(args)
     by_file: dict[str, list[str]] = {}
     for name, path in hf_weight_files(folder).items():
         by_file.setdefault(path, []).append(name)
     for path, names in sorted(by_file.items()):
-        with safe_open(path, framework="pt") as f:
+        with _reading(path), safe_open(path, framework="pt") as f:
             for key in names:
-                kiln = kiln_name(key)
-                if kiln is not None:
-                    yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
+                try:
+                    kiln = kiln_name(key)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
+                if kiln is None:
+                    continue
+                stored = tuple(f.get_slice(key).get_shape())
+                if kiln not in shapes:
+                    raise ConfigError(
+                        f"{path}: weight '{key}' is not part of the model of {CONFIG} ({args.n_layers} layers)"
+                    )
+                if stored != shapes[kiln]:
+                    raise ConfigError(
+                        f"{path}: weight '{key}' has shape {stored}, but the model of {CONFIG} has {shapes[kiln]}"
+                    )
+                yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
 
 
 def save_hf_weights(
@@ -357,12 +496,12 @@ def save_hf_weights(
             w = to_hf_tensor(key, tensors.pop(key), args)
             out[name] = w.to(dtype) if dtype is not None else w
             weight_map[name] = file
+        refuse_link(os.path.join(out_dir, file))  # safetensors opens by name: no link may redirect it
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
         os.chmod(os.path.join(out_dir, file), 0o666 & ~_umask())  # safetensors creates its files 0600
         del out, tensors
     if len(plan) > 1:
-        with open(os.path.join(out_dir, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        write_json(os.path.join(out_dir, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
     return names
 
 
@@ -463,8 +602,9 @@ def tokenizer_json(tok: Tokenizer) -> dict[str, Any]:
 def write_tokenizer(tok: Tokenizer, out_dir: str, context_len: int) -> None:
     """tokenizer.json + tokenizer_config.json. `split_special_tokens`: special-token text inside a string is
     encoded as plain text, as kiln's Tokenizer.encode does (a document cannot smuggle in an end-of-text)."""
-    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_json(tok), f, ensure_ascii=False)
+    write_atomic(
+        os.path.join(out_dir, "tokenizer.json"), json.dumps(tokenizer_json(tok), ensure_ascii=False).encode("utf-8")
+    )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|begin_of_text|>",
@@ -476,8 +616,7 @@ def write_tokenizer(tok: Tokenizer, out_dir: str, context_len: int) -> None:
         "model_max_length": context_len,
         "model_input_names": ["input_ids", "attention_mask"],
     }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
 
 
 def generation_config(bos_id: int, eos_id: int) -> dict[str, Any]:

@@ -10,8 +10,6 @@ key), so the same command resumes after a stop; the run's saves go to its own fo
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import time
@@ -24,8 +22,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln_base.errors import CheckpointError, ConfigError
-from models.args import ModelArgs
+from kiln_base.files import loads_json, read_bounded
+from models.args import ModelArgs, stored_model_args
 from trainer.components.checkpoint import MARKER, read_metadata, resolve_step_dir
+from trainer.components.checkpoint_folder import MARKER_LIMIT, agree
+from trainer.components.checkpoint_reader import check_loaded_state
 from trainer.components.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
 
 logger = logging.getLogger("kiln")
@@ -40,20 +41,15 @@ class InitialSource:
 
 
 def stored_kiln_args(step_path: str, where: str) -> ModelArgs:
-    """The ModelArgs in a kiln step folder's kiln.json."""
+    """The ModelArgs in a kiln step folder's kiln.json, every field type- and range-checked."""
     marker = os.path.join(step_path, MARKER)
     try:
-        with open(marker) as f:
-            saved = json.load(f).get("model_args")
+        saved = loads_json(read_bounded(marker, MARKER_LIMIT, "a kiln.json"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: cannot read {marker}: {e} (kiln needs the model shape stored with it)") from None
-    if not isinstance(saved, dict):
+    if not isinstance(saved, dict) or not isinstance(saved.get("model_args"), dict):
         raise ConfigError(f"{where}: {marker} stores no model_args")
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(saved) - known)
-    if unknown:
-        raise ConfigError(f"{where}: {marker} has model_args.{unknown[0]}, unknown to this kiln")
-    return ModelArgs(**saved)
+    return stored_model_args(saved["model_args"], f"{where}: {marker}")
 
 
 def open_source(path: str) -> InitialSource:
@@ -125,6 +121,8 @@ def load_initial(
             if tuple(full.shape) != shape:
                 got = tuple(full.shape)
                 raise CheckpointError(f"{where}: '{name}' has shape {got} there but {shape} in this model")
+            # Whole tensors, those other stages load included: every rank checks the same and raises the same.
+            check_loaded_state({name: full}, source.path, None, 0)
             if target is not None:
                 _fill(target, full.to(target.device))
             seen.add(name)
@@ -132,14 +130,20 @@ def load_initial(
         if missing:
             raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
     else:
-        import torch.distributed.checkpoint as dcp
-
         from trainer.components.checkpoint import check_matches
-        from trainer.components.checkpoint_reader import SafeFileSystemReader
+        from trainer.components.checkpoint_reader import load
 
         md = read_metadata(source.path)
         check_matches(source.path, targets, md, weights_only=True, held_elsewhere=elsewhere)
-        dcp.load(targets, storage_reader=SafeFileSystemReader(source.path, md))
+        load(targets, source.path, md)
+        error = None
+        try:
+            check_loaded_state(targets, source.path, None, 0)  # this rank's shards; all ranks raise the first refusal
+        except CheckpointError as e:
+            error = str(e)
+        error = agree(error)
+        if error is not None:
+            raise CheckpointError(error)
     set_model_state_dict(model, dict(targets))  # a fresh dict[str, Any]: the API's value type is wider
     logger.info(
         f"Loaded initial weights from {source.path} ({'Hugging Face' if source.kind == 'hf' else 'kiln'}) "

@@ -2,6 +2,9 @@
 
     step: 10  loss:  7.1234  memory:  1.23GiB(4.56%)  tps: 12,345  mfu: 12.34%  grad_norm: ...
 
+With validation on, a validation step's line ends with `val_loss: 7.3012  val_ppl: 1483.09`
+(trainer/components/validate.py); the scalar writers (TensorBoard, W&B) get kiln/val_loss and kiln/val_ppl at that step.
+
 memory is the peak reserved device memory since the last log line and its share of capacity; on CPU it
 is the process's peak RSS and its share of system RAM (said once at start-up). MFU is measured against
 the *bf16 dense* peak even for float8 runs, so float8 and bf16 runs compare on one scale (docs/metrics.md).
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln_base.config import Metrics
+from models.flops import CONVENTIONS as FLOP_CONVENTIONS
+from trainer.components.scalar_writers import ScalarWriters
 
 logger = logging.getLogger("kiln")
 
@@ -107,10 +112,11 @@ class MetricsLogger:
         cfg: Metrics,
         device: torch.device,
         flops_per_token: float,
-        tb_dir: str | None,
+        writer: ScalarWriters | None,
         is_logging_rank: bool,
         float8: bool = False,
     ) -> None:
+        """`flops_per_token` is counted under cfg.attention_flops (models/flops.py); mfu and tflops use it."""
         self.cfg = cfg
         self.float8 = float8  # also report mfu_fp8, against the float8 peak
         self.flops_per_token = flops_per_token
@@ -121,20 +127,28 @@ class MetricsLogger:
         self.data_time = 0.0
         self._steps_since_log = 0
         self.t_last = time.perf_counter()
-        self.writer = None
-        if tb_dir is not None and cfg.enable_tensorboard and (is_logging_rank or cfg.save_for_all_ranks):
-            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import
-
-            self.writer = SummaryWriter(tb_dir)
+        self.writer = writer  # TensorBoard and W&B (scalar_writers.py); the numerics report writes through it too
         if is_logging_rank:
             fp8 = ", mfu_fp8 against the float8 peak" if float8 else ""
-            logger.info(f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}")
+            logger.info(
+                f"Metrics: memory = {self.memory.kind}; mfu against bf16 peak ({self.peak.source}){fp8}; "
+                f"FLOPs with {FLOP_CONVENTIONS[cfg.attention_flops]} (metrics.attention_flops)"
+            )
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0
 
-    def log(self, step: int, total_steps: int, loss: float, grad_norm: float, lr: float) -> dict[str, float]:
-        """Log one line (on the logging rank) and return the metrics; resets the interval counters."""
+    def log(
+        self,
+        step: int,
+        total_steps: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        validation: tuple[float, float] | None = None,
+    ) -> dict[str, float]:
+        """Log one line (on the logging rank) and return the metrics; resets the interval counters.
+        `validation`: this step's validation loss and perplexity, if it validated."""
         now = time.perf_counter()
         elapsed = max(now - self.t_last, 1e-9)
         tps = self.tokens / elapsed
@@ -155,12 +169,16 @@ class MetricsLogger:
         mfu_fp8 = None if self.peak.float8 is None else 100.0 * tps * self.flops_per_token / self.peak.float8
         if self.float8 and mfu_fp8 is not None:
             metrics["mfu_fp8"] = mfu_fp8
+        if validation is not None:
+            metrics["val_loss"], metrics["val_ppl"] = validation
         if self.is_logging_rank:
             steps_per_s = self._steps_since_log / elapsed if self._steps_since_log else 0.0
             eta = (total_steps - step) / steps_per_s if steps_per_s else 0.0
             extra = f"  data: {metrics['data_loading_pct']:.1f}%  eta: {_hms(eta)}"
             if self.float8:  # how far from the float8 ceiling; mfu itself stays on the bf16 scale
                 extra += "  mfu_fp8: " + ("n/a" if mfu_fp8 is None else f"{mfu_fp8:.2f}%")
+            if validation is not None:
+                extra += f"  val_loss: {validation[0]:7.4f}  val_ppl: {validation[1]:.2f}"
             logger.info(
                 format_step_line(
                     step, loss, metrics["memory_gib"], metrics["memory_pct"], tps, mfu, grad_norm, lr, extra
@@ -169,10 +187,15 @@ class MetricsLogger:
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"kiln/{k}", v, step)
+            self.writer.flush()
         self.tokens, self.data_time, self._steps_since_log = 0, 0.0, 0
         self.memory.reset()
         self.t_last = time.perf_counter()
         return metrics
+
+    def discount(self, seconds: float) -> None:
+        """Leave `seconds` spent outside training (a validation) out of the next line's tokens/s and MFU."""
+        self.t_last += seconds
 
     def count_step(self, tokens: int, data_time: float) -> None:
         """One optimizer step: its tokens on this device (all micro-batches) and seconds spent waiting for data."""

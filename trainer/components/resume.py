@@ -8,7 +8,8 @@ when it is resumed, key by key, as docs/checkpoint.md's table says:
   first resumed step uses the new schedule's lr), and the optimizer's hyperparameters are set from the config
   (a checkpoint's param_groups would otherwise silently keep the old ones);
 - warned: the global batch size (the data continues at the saved sequence index, each step now takes the new
-  number of sequences), the float8 recipe, the compute dtype.
+  number of sequences), the float8 recipe, the compute dtype, the attention (a document-masked flavor of the same
+  shape: the weights are the same model's).
 
 The settings travel as train_state.settings, a JSON string inside the DCP checkpoint: every rank reads them in
 the same load, they are as atomic as the rest of the state, and they load with torch.load(weights_only=True).
@@ -27,6 +28,7 @@ from kiln_base.config import JobConfig
 from kiln_base.errors import CheckpointError
 from kiln_base.internals import set_scheduler_last_lr
 from models import ModelArgs
+from models.args import ATTENTION_FIELDS
 
 # Keys whose change makes the checkpoint meaningless for this run, with the reason given to the user.
 REFUSED = {
@@ -42,8 +44,15 @@ WARNED = {
     "number of sequences",
     "float8": "training continues with this run's float8 setting",
     "training.mixed_precision_param": "training continues in this run's compute dtype",
+    "model.attention": "training continues with this run's attention (same weights, another mask)",
 }
-_INIT_ONLY = ("max_seq_len", "depth_init")  # ModelArgs fields that do not change a trained model
+# ModelArgs fields that do not change a trained model: the RoPE table's length, the init rule, how it attends.
+_INIT_ONLY = ("max_seq_len", "depth_init", *ATTENTION_FIELDS)
+CAUSAL = "sdpa attention, causal mask"  # what a checkpoint saved before attention was recorded trained with
+
+
+def attention_setting(args: ModelArgs) -> str:
+    return f"{args.attn_type} attention, {args.attn_mask_type} mask"
 
 
 def file_sha256(path: str) -> str:
@@ -57,6 +66,16 @@ def training_settings(
     """The settings a checkpoint is saved with (plain JSON types), keyed as the table in docs/checkpoint.md."""
     t, o, f8 = cfg.training, cfg.optimizer, cfg.float8
     model = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in _INIT_ONLY}
+    float8 = {
+        "enable_float8_linear": f8.enable_float8_linear,
+        "recipe_name": f8.recipe_name,
+        "filter_fqns": list(f8.filter_fqns),
+        "auto_filter_small_kn": f8.auto_filter_small_kn,
+        "high_precision_first_last": f8.high_precision_first_last,
+        "disable_after_step": f8.disable_after_step,
+    }
+    if f8.high_precision_last >= 0:  # saved only when set: checkpoints from before the key read as its default
+        float8["high_precision_last"] = f8.high_precision_last
     return {
         "data": data,  # files and sizes (not their folder: moved data is the same data), or the hub id
         "model.tokenizer": tokenizer_sha256,
@@ -71,15 +90,9 @@ def training_settings(
         "optimizer.eps": o.eps,
         "optimizer.weight_decay": o.weight_decay,
         "training.global_batch_size": global_batch_size,
-        "float8": {
-            "enable_float8_linear": f8.enable_float8_linear,
-            "recipe_name": f8.recipe_name,
-            "filter_fqns": list(f8.filter_fqns),
-            "auto_filter_small_kn": f8.auto_filter_small_kn,
-            "high_precision_first_last": f8.high_precision_first_last,
-            "disable_after_step": f8.disable_after_step,
-        },
+        "float8": float8,
         "training.mixed_precision_param": t.mixed_precision_param,
+        "model.attention": attention_setting(model_args),
     }
 
 
@@ -92,11 +105,19 @@ def _difference(old: Any, new: Any) -> str:
     return f"{old!r} there, {new!r} in this run"
 
 
+def _with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings as compared: ModelArgs fields added since a save take their defaults, fields that do not change a
+    trained model (_INIT_ONLY) are left out, and a save from before attention was recorded trained causally."""
+    out = {"model.attention": CAUSAL, **settings}
+    if isinstance(out.get("model"), dict):
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs) if f.name not in _INIT_ONLY}
+        out["model"] = {k: v for k, v in {**defaults, **out["model"]}.items() if k not in _INIT_ONLY}
+    return out
+
+
 def check_resume(saved: dict[str, Any], current: dict[str, Any], where: str) -> list[str]:
     """Raise CheckpointError for a refused change; return one warning line per handled or warned change."""
-    if isinstance(saved.get("model"), dict):  # fields added to ModelArgs since the save take their defaults
-        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs) if f.name not in _INIT_ONLY}
-        saved = {**saved, "model": {**defaults, **saved["model"]}}
+    saved, current = _with_defaults(saved), _with_defaults(current)
     for key, why in REFUSED.items():
         if saved.get(key) != current[key]:
             raise CheckpointError(

@@ -6,14 +6,15 @@ real Llama3 `tokenizer.model` (128000 ranks + 256 specials).
 
 from __future__ import annotations
 
-import hashlib
+import base64
+import binascii
 from collections.abc import Iterator
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from kiln_base.errors import ConfigError
+from kiln_base.files import MiB, read_bounded
 
 # tiktoken's Rust encoder can overflow its stack on huge inputs; Llama3 splits before encoding.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
@@ -25,6 +26,9 @@ PAT_STR = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Llama 3's tokenizer.model is 2.2 MB (128,000 tokens); a 256k vocabulary ~5 MB. A larger file is refused before
+# tiktoken builds its tables from it (a 40 MB file once ran a 2-rank job into the OOM killer, without a word).
+MAX_TOKENIZER_BYTES = 32 * MiB
 NUM_SPECIAL_TOKENS = 256
 # Llama 3.1's named special tokens; the rest of the 256 are reserved placeholders.
 NAMED_SPECIAL_TOKENS = [
@@ -52,17 +56,23 @@ def _load_ranks(model_path: str) -> dict[bytes, int]:
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file not found (or not a regular file): {model_path}; {hint}")
     try:
-        data = path.read_bytes()
+        data = read_bounded(model_path, MAX_TOKENIZER_BYTES, "a tokenizer file")
     except OSError as e:
         raise ValueError(f"cannot read tokenizer file {model_path}: {e}; {hint}") from e
-    try:
-        # tiktoken caches files by path; the content hash stops a stale cached copy being used
-        # after the file at the same path is regenerated.
-        ranks = load_tiktoken_bpe(str(path), expected_hash=hashlib.sha256(data).hexdigest())
-    except Exception as e:
-        # tiktoken quotes the offending line, which for a binary file can be huge: keep it short.
-        reason = " ".join(str(e).split())[:120]
-        raise ValueError(f"cannot parse tokenizer file {model_path} ({reason}); {hint}") from e
+    ranks: dict[bytes, int] = {}
+    for line_no, line in enumerate(data.splitlines(), start=1):
+        if not line:
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError("not two fields")
+            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+        except (ValueError, binascii.Error) as e:
+            shown = line[:40].decode(errors="replace") + ("..." if len(line) > 40 else "")
+            raise ValueError(
+                f"cannot parse tokenizer file {model_path} (line {line_no} {shown!r}: {e}); {hint}"
+            ) from None
     if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"tokenizer file {model_path} has no tokens or non-contiguous ranks; {hint}")
     if any(bytes([b]) not in ranks for b in range(256)):

@@ -33,12 +33,14 @@ from kiln_base.config import (
     Training,
     check_pipeline,
     resolve_mixed_precision,
+    training_bytes,
 )
 from kiln_base.internals import init_fake_process_group, unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
+from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import StagedModel
-from trainer.build import build_model, model_args
+from trainer.build import build_model, flops_line, model_args
 from trainer.components.initial_load import open_source
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -58,7 +60,7 @@ def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
         from trainer.components.tokenizer import Tokenizer
 
         return Tokenizer(tokenizer_path).n_words, tokenizer_path
-    if flavor == "debugmodel":
+    if flavor.startswith("debugmodel"):
         return 2256, f"{tokenizer_path} missing; the bundled tokenizer's size"
     return LLAMA3_VOCAB, f"{tokenizer_path} missing; Llama 3's tokenizer size"
 
@@ -213,13 +215,14 @@ def dry_run(cfg: JobConfig) -> str:
         built = build_model(cfg, args, dims, converter, stage_ids=every_stage)
         model, plan = built.model, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
-        n_params, flops = built.n_params, built.flops_per_token
+        n_params = built.n_params
         float8_lines = _float8_lines(model, built.linear_fqns, f8, reasons)
         on = {True: "on", False: "off"}
         lines = [
             f"kiln dry run: llama3 {cfg.model.flavor}, {args.n_layers} layers "
             f"(vocab {args.vocab_size}: {vocab_source})",
-            f"parameters: {n_params:,}   FLOPs/token: {flops / 1e9:.2f} GFLOP (6N + 12LHQT, seq {t.seq_len})",
+            f"parameters: {n_params:,}   seq {t.seq_len}   "
+            + flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops),
             f"simulated world: {world} = "
             + ("" if pipeline is None else f"pp {dims.pp} x ")
             + f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}",
@@ -229,6 +232,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
             f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
             f"{t.mixed_precision_param}); master weights float32",
+            reduction_line(t, dims.dp_replicate, dims.dp_shard, dims.tp, "cuda", dims.pp),
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
@@ -241,6 +245,12 @@ def dry_run(cfg: JobConfig) -> str:
             lines.append(f"  {'total':<32} {sum(mem.values()) / 2**30:9.2f} GiB")
         else:
             lines += _pipeline_lines(built.parts, pipeline, args, t, ac, dims, p.pipeline_parallel_microbatch_size)
+        state = training_bytes(args.shape(), dims.dp_shard * dims.tp, pipeline)
+        whose = "a rank" if pipeline is None else "on the pipeline rank holding the most"
+        lines.append(
+            f"  start-up check (not applied to a dry run): {state / 2**30:,.2f} GiB of weights, gradients and AdamW "
+            f"state {whose} must fit the rank's memory (host RAM on a CPU node, shared by its ranks; the GPU's)"
+        )
         lines.append(f"dry run took {time.perf_counter() - t0:.1f}s; nothing was allocated or trained")
         return "\n".join(lines)
     finally:
@@ -309,6 +319,8 @@ def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons:
         module = modules[fqn]
         if is_float8_linear(module) and f8.is_mxfp8:
             status[fqn] = f"Float8 MXFP8 weight ({f8.recipe}: blocks of 32, e8m0 scales)"
+        elif is_float8_linear(module) and f8.is_nvfp4:
+            status[fqn] = "Float8 NVFP4Linear (emulated: e2m1 in blocks of 16, e4m3 block + float32 tensor scales)"
         elif is_float8_linear(module):
             status[fqn] = f"Float8Linear (weight scaling {module.config.cast_config_weight.scaling_granularity.value})"
         else:

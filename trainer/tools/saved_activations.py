@@ -17,12 +17,21 @@ Tensors are deduplicated by storage, so views and tensors sharing memory count o
 full size (that is what stays allocated). Model parameters are listed but not counted: they are not
 activations. Everything here is per rank.
 
-Under torch.compile none of those observers sees inside a compiled region: AOTAutograd's partitioner decides
-what is saved there. `saved_ops_under_compile` reads that decision from the partitioned graphs instead.
+Under torch.compile (`training.compile`) AOTAutograd's partitioner decides what a compiled region keeps, and
+inductor's generated code hides the ops. The report then compiles every region with
+`inductor_partition_backend`: inductor's own decompositions and partition function split each graph into forward
+and backward, and both graphs run eagerly instead of being code-generated. What the forward graph hands to
+backward is what an inductor-compiled step keeps (the same partition), and the observers above see it: the
+producer mode (a `CompileTransparentDispatchMode`, under which dynamo still compiles) sees the graph's ops run, and
+the saved-tensor hooks see AOTAutograd's `save_for_backward` of the partition's saved tensors. Rows then say
+whether their tensors came from a compiled graph or from eager code, and the report names the regions read each
+way: a compiled module in which no graph ran is said to be measured eagerly. `saved_ops_under_compile` reads a
+single region's partition (and the SAC tags on its nodes) for the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -33,9 +42,12 @@ import torch
 import torch.nn as nn
 
 from kiln_base.internals import (
+    CompileTransparentDispatchMode,
+    HigherOrderOperator,
     OpOverload,
-    TorchDispatchMode,
     capture_sac_caches,
+    inductor_partition_backend,
+    is_compiled_module,
     is_traceable_wrapper_subclass,
     partitioned_graphs_backend,
     sac_cached_tensors,
@@ -47,6 +59,7 @@ logger = logging.getLogger("kiln")
 
 PARAMETER = "(parameter)"  # a model parameter kept for backward: listed, not counted as activation
 UNKNOWN = "(input/unattributed)"  # kept but produced outside the observed step (e.g. the batch)
+GRAPH, EAGER = "graph", "eager"  # where a kept tensor was produced: by a compiled region's graph, or eagerly
 
 
 @dataclass
@@ -55,14 +68,21 @@ class OpRow:
     count: int = 0
     nbytes: int = 0
     dtypes: set[str] = field(default_factory=set)
+    where: set[str] = field(default_factory=set)  # GRAPH and/or EAGER (parameters: neither)
 
 
 @dataclass
 class SavedActivationReport:
-    """Bytes kept for backward by producing op (per rank). `total_bytes` excludes parameters."""
+    """Bytes kept for backward by producing op (per rank). `total_bytes` excludes parameters. Under compile, `regions`
+    says which parts were read from partitioned graphs and which were measured eagerly, one line each."""
 
     rows: list[OpRow]
     total_bytes: int
+    regions: list[str] = field(default_factory=list)
+
+    @property
+    def compiled(self) -> bool:
+        return any(GRAPH in r.where for r in self.rows)
 
     def row(self, op: str) -> OpRow | None:
         """The row of an op, by name as printed (e.g. 'aten.abs', 'aten.mm')."""
@@ -73,15 +93,20 @@ class SavedActivationReport:
         return r.nbytes if r else 0
 
     def format(self) -> str:
-        lines = [f"{'op':<52} {'count':>6} {'dtype':<26} {'bytes':>14} {'share':>7}"]
+        where = self.compiled  # the column only when some tensor came from a compiled graph
+        lines = [f"{'op':<52} {'count':>6} {'dtype':<26} {'bytes':>14} {'share':>7}" + ("  where" if where else "")]
         for r in self.rows:
             share = "-" if r.op == PARAMETER or not self.total_bytes else f"{100 * r.nbytes / self.total_bytes:.1f}%"
-            lines.append(f"{r.op:<52} {r.count:>6} {','.join(sorted(r.dtypes)):<26} {r.nbytes:>14,} {share:>7}")
+            line = f"{r.op:<52} {r.count:>6} {','.join(sorted(r.dtypes)):<26} {r.nbytes:>14,} {share:>7}"
+            lines.append(line + (f"  {'+'.join(sorted(r.where)) or '-'}" if where else ""))
         lines.append(f"saved_activations_total_bytes: {self.total_bytes}")
-        return "\n".join(lines)
+        return "\n".join(lines + self.regions)
 
 
-def _op_name(func: OpOverload) -> str:
+def _op_name(func: OpOverload | Any) -> str:
+    """'aten.mm' for aten.mm.default, 'aten.add.Tensor'; a higher order operator (in a compiled graph) by its name."""
+    if isinstance(func, HigherOrderOperator):
+        return f"higher_order.{func.name()}"
     name = str(func)
     return name[: -len(".default")] if name.endswith(".default") else name
 
@@ -102,12 +127,25 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-class _ProducerMode(TorchDispatchMode):
-    """Maps each storage written during the step to the (non-aliasing) op that produced it."""
+class _ProducerMode(CompileTransparentDispatchMode):
+    """Maps each storage written during the step to the (non-aliasing) op that produced it, and whether a compiled
+    graph's op (run eagerly by inductor_partition_backend, inside `graph_run`) or eager code produced it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.producer: dict[tuple[str, int], str] = {}
+        self.where: dict[tuple[str, int], str] = {}
+        self.graph_runs = 0
+        self._in_graph = False
+
+    @contextlib.contextmanager
+    def graph_run(self) -> Iterator[None]:
+        self.graph_runs += 1
+        self._in_graph = True
+        try:
+            yield
+        finally:
+            self._in_graph = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         # Let tensor subclasses (DTensor, Float8TrainingTensor) run first: their inner plain ops come back
@@ -123,6 +161,7 @@ class _ProducerMode(TorchDispatchMode):
                 key = _storage_key(t)
                 if key not in inputs or key not in self.producer:
                     self.producer[key] = name
+                    self.where[key] = GRAPH if self._in_graph else EAGER
         return out
 
 
@@ -151,13 +190,32 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
             if isinstance(a, torch.Tensor):
                 keep(a)
 
-    # Checkpointed blocks keep their inputs to recompute from (held by checkpoint's frame, not autograd).
-    wrappers = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
+    compiled = {name: m for name, m in model.named_modules() if is_compiled_module(m)}
+    in_compiled = {id(sub) for m in compiled.values() for sub in m.modules()}
+    # Checkpointed blocks keep their inputs to recompute from (held by checkpoint's frame, not autograd). Inside a
+    # compiled region the partition decides, and the inputs it keeps reach `pack` like any saved tensor.
+    wrappers = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper" and id(m) not in in_compiled]
     handles = [w.register_forward_pre_hook(keep_inputs) for w in wrappers]
     producer_mode = _ProducerMode()
+    runs = {name: 0 for name in compiled}  # compiled graphs run while each compiled module ran
+
+    def count_runs(name: str) -> tuple[Callable[..., None], Callable[..., None]]:
+        start: list[int] = []
+        return (
+            lambda *_: start.append(producer_mode.graph_runs),
+            lambda *_: runs.__setitem__(name, runs[name] + producer_mode.graph_runs - start.pop()),
+        )
+
+    for name, m in compiled.items():  # hooks on the compiled wrapper run eagerly, around the compiled call
+        before, after = count_runs(name)
+        handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
     try:
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with capture_sac_caches() as sac_modes, producer_mode, hooks:
+        # With compiled modules, every compiled region (the blocks, kiln's compiled loss) compiles with inductor's
+        # partition, run eagerly; an eager model is measured as before.
+        backend = inductor_partition_backend(producer_mode.graph_run) if compiled else None
+        stance = torch.compiler.set_stance("default", force_backend=backend) if compiled else contextlib.nullcontext()
+        with capture_sac_caches() as sac_modes, producer_mode, hooks, stance:
             loss = forward()
         for t in sac_cached_tensors(sac_modes):
             keep(t)
@@ -174,10 +232,40 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
         row.nbytes += nbytes
         row.dtypes.add(str(t.dtype).removeprefix("torch."))
         if op != PARAMETER:
+            row.where.add(producer_mode.where.get(key, EAGER))
             total += nbytes
     kept.clear()  # drop our references before backward frees the graph
     loss.backward()
-    return SavedActivationReport(sorted(rows.values(), key=lambda r: -r.nbytes), total)
+    regions = _regions(model, runs, producer_mode.graph_runs) if compiled else []
+    return SavedActivationReport(sorted(rows.values(), key=lambda r: -r.nbytes), total, regions)
+
+
+def _regions(model: nn.Module, runs: dict[str, int], graph_runs: int) -> list[str]:
+    """Which parts of the step were read from partitioned graphs and which were measured eagerly, one line each."""
+    read = [f"{name} ({n} graph run{'s' * (n != 1)})" for name, n in runs.items() if n]
+    lines = []
+    if read:
+        lines.append(
+            "compiled, read from the partitioned graphs (inductor's decompositions and partitioner, run eagerly): "
+            + ", ".join(read)
+        )
+    outside = graph_runs - sum(runs.values())
+    if outside:
+        lines.append(f"compiled outside the model's modules (kiln's loss): {outside} graph run(s), read the same way")
+    missed = [name for name, n in runs.items() if not n]
+    if missed:
+        lines.append(f"compiled modules in which no compiled graph ran, measured eagerly: {', '.join(missed)}")
+    eager = [
+        name
+        for name, m in model.named_modules()
+        if name
+        and any(True for _ in m.parameters(recurse=False))
+        and not any(name == c or name.startswith(c + ".") for c in runs)
+    ]
+    lines.append(
+        "measured eagerly (not compiled): " + (", ".join(eager) if eager else "no module") + " and the ops between"
+    )
+    return lines
 
 
 # Ops whose outputs are float8 scale material (amax per tensor or per row): the only extra bytes float8 may

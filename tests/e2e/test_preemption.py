@@ -1,0 +1,134 @@
+"""Preemption: all ranks agree to stop when one got SIGTERM, and the handler is scoped; SIGTERM to a run (1 process,
+or torchrun with 2 ranks) saves, says so in one line per rank, exits 143, and the same command resumes with the
+losses of the uninterrupted run, exactly; Ctrl-C exits 130 with one line (whole runs through
+tests/helpers/loss_runs.py; the straight runs are fixtures of tests/e2e/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.kiln_process import start_kiln
+from tests.helpers.loss_runs import TIMEOUT, drive, kiln_args, with_init
+from trainer.components.preemption import StopOnSignal
+
+
+def _stop_agreement(signalled_rank: int) -> bool:
+    stop = StopOnSignal()
+    if dist.get_rank() == signalled_rank:
+        stop.received = signal.SIGTERM
+    return stop.agreed()
+
+
+@pytest.mark.distributed
+def test_all_ranks_agree_to_stop_when_one_got_sigterm() -> None:
+    assert run_distributed(_stop_agreement, 2, 1) == [True, True]
+    assert run_distributed(_stop_agreement, 2, -1) == [False, False]
+
+
+def test_sigterm_handler_is_scoped() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM and stop.agreed()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+class Run:
+    """A run in the background whose stdout lines can be awaited (no sleeps: the verdict never depends on timing)."""
+
+    def __init__(self, dump: Path, *args: str, nproc: int = 1) -> None:
+        self.out = dump.with_suffix(".json")
+        self.proc = start_kiln(**kiln_args(self.out, dump, args, nproc))
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream: Any, lines: queue.Queue) -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    def wait_for(self, text: str) -> None:
+        while True:
+            line = self.lines.get(timeout=TIMEOUT)
+            assert line is not None, f"exited before printing {text!r}: {''.join(self.stderr)[-3000:]}"
+            self.stdout.append(line)
+            if text in line:
+                return
+
+    def finish(self) -> int:
+        rc = self.proc.wait(timeout=TIMEOUT)
+        while (line := self.lines.get(timeout=TIMEOUT)) is not None:
+            self.stdout.append(line)
+        return rc
+
+
+def stop_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("kiln:")]
+
+
+@pytest.mark.slow
+def test_sigterm_one_rank_saves_exits_143_and_resumes_exactly(runs: Path, straight_one: dict) -> None:
+    dump = with_init(runs / "init", runs / "term1")
+    run = Run(dump, "--checkpoint.interval", "100")
+    run.wait_for("step:  1 ")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 143
+    (line,) = stop_lines("".join(run.stderr))
+    stopped = json.loads(run.out.read_text())
+    k = stopped["first_step"] + len(stopped["losses"]) - 1  # the last step it trained
+    assert 1 <= k < 6
+    step = dump / "checkpoint" / f"step-{k}"
+    assert line == f"kiln: stopped by SIGTERM after step {k} of 6; saved {step}; run the same command again to resume"
+    assert "Traceback" not in "".join(run.stderr)
+    assert json.loads((step / "kiln.json").read_text())["model_weights_only"] is False
+    resumed = drive(dump, "--checkpoint.interval", "100")
+    print(f"stopped after step {k}; resumed:", resumed["losses"], "straight:", straight_one["losses"][k:])
+    assert resumed["first_step"] == k + 1 and resumed["losses"] == straight_one["losses"][k:]  # exact
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_torchrun_two_ranks_saves_and_resumes_exactly(runs: Path, straight_two: dict) -> None:
+    """SIGTERM to torchrun (what Kubernetes sends to the container's process), which forwards it to the ranks."""
+    dump = with_init(runs / "init", runs / "term2")
+    run = Run(dump, "--checkpoint.interval", "100", nproc=2)
+    run.wait_for("step:  1 ")
+    run.proc.send_signal(signal.SIGTERM)
+    run.finish()  # torchrun's own status after a signal is its business (1, with its SignalException)
+    lines = stop_lines("".join(run.stderr))
+    stopped = json.loads(run.out.read_text())
+    k = stopped["first_step"] + len(stopped["losses"]) - 1
+    assert 1 <= k < 6
+    step = dump / "checkpoint" / f"step-{k}"
+    want = f"kiln: stopped by SIGTERM after step {k} of 6; saved {step}; run the same command again to resume"
+    assert lines == [want, want]  # both ranks stopped after the same step
+    resumed = drive(dump, "--checkpoint.interval", "100", nproc=2)
+    print(f"stopped after step {k}; resumed:", resumed["losses"], "straight:", straight_two["losses"][k:])
+    assert resumed["first_step"] == k + 1 and resumed["losses"] == straight_two["losses"][k:]  # exact
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_one_line(tmp_path: Path) -> None:
+    run = Run(tmp_path / "int", "--checkpoint.interval", "100")
+    run.wait_for("step:  1 ")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish() == 130
+    stderr = "".join(run.stderr)
+    assert "Traceback" not in stderr
+    (line,) = stop_lines(stderr)
+    assert line.startswith("kiln: interrupted by SIGINT (Ctrl-C) at step ")
+    assert line.endswith("; nothing saved since the last checkpoint")

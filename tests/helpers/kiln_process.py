@@ -1,0 +1,215 @@
+"""Runs kiln in a subprocess, as users start it: every test that starts kiln's processes comes through here.
+
+    result = run_kiln(args, ngpu=2)                                          # ./run_train.sh with NGPU=2, waited for
+    result = run_kiln(args, launcher="python")                               # python train.py args
+    result = run_kiln([out, *args], launcher="torchrun", ngpu=2, script=LOSS_DRIVER, threads=1)
+    proc = start_kiln(args, launcher="python", script=LOSS_DRIVER)           # a Popen, for signals mid-run
+    result = run_python(code, *args)                                         # python -c code (checks of imports)
+
+Launchers:
+  "run_train.sh"  `bash run_train.sh args` (or `script`, another shell script such as scripts/slurm_train.sh); `ngpu`,
+                  `config_file` and `log_rank` become NGPU, CONFIG_FILE and LOG_RANK
+  "torchrun"      `python -m torch.distributed.run --standalone --nproc_per_node=ngpu script args`
+  "python"        `python script args` (one process)
+`script` defaults to run_train.sh for the first, train.py for the others; a driver (CKPT_DRIVER, LOSS_DRIVER) or a
+file from scripts/ goes there too. The environment is this process's, with `env` on top (a None value removes the
+variable; inherit_env=False starts from nothing), then OMP_NUM_THREADS=threads and the launcher's variables.
+Output is captured as text; `log` also writes stdout + stderr to a file, for reading after a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+from tests.helpers.common import HANG_TIMEOUT_S, ROOT
+
+Launcher = Literal["run_train.sh", "torchrun", "python"]
+
+RUN_TRAIN = ROOT / "run_train.sh"
+TRAIN_PY = ROOT / "train.py"
+CKPT_DRIVER = ROOT / "tests" / "helpers" / "ckpt_driver.py"
+LOSS_DRIVER = ROOT / "tests" / "helpers" / "loss_driver.py"
+SLURM_TRAIN = ROOT / "scripts" / "slurm_train.sh"
+# Resolved once, from this process's PATH: a test may run the launcher with a PATH that holds no bash.
+BASH = shutil.which("bash") or "/bin/bash"
+
+
+@dataclasses.dataclass(frozen=True)
+class KilnResult:
+    """A finished kiln process: its command line, exit status (negative: killed by that signal) and output."""
+
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        """stdout, then stderr."""
+        return self.stdout + self.stderr
+
+    def error_lines(self) -> list[str]:
+        """The lines of stderr that are kiln's one-line errors (`kiln: error: ...`)."""
+        return [line for line in self.stderr.splitlines() if line.startswith("kiln: error:")]
+
+
+def kiln_argv(
+    args: Sequence[str | os.PathLike] = (),
+    *,
+    launcher: Launcher = "run_train.sh",
+    script: str | os.PathLike | None = None,
+    ngpu: int | str | None = None,
+) -> list[str]:
+    """The command line that starts `script args` with `launcher` (module docstring)."""
+    args = [str(a) for a in args]
+    if launcher == "run_train.sh":
+        return [BASH, str(script or RUN_TRAIN), *args]
+    script = str(script or TRAIN_PY)
+    if launcher == "torchrun":
+        if ngpu is None:
+            raise ValueError("torchrun needs ngpu (the processes to start)")
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}"]
+        return [*torchrun, script, *args]
+    if launcher == "python":
+        if ngpu not in (None, 1, "1"):
+            raise ValueError(f"launcher 'python' starts one process, not ngpu={ngpu}: use 'torchrun'")
+        return [sys.executable, script, *args]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def kiln_env(
+    *,
+    launcher: Launcher = "run_train.sh",
+    ngpu: int | str | None = None,
+    config_file: str | os.PathLike | None = None,
+    log_rank: str | None = None,
+    threads: int | None = None,
+    env: Mapping[str, str | None] | None = None,
+    inherit_env: bool = True,
+) -> dict[str, str]:
+    """The environment of a kiln process (module docstring)."""
+    out = dict(os.environ) if inherit_env else {}
+    for name, value in (env or {}).items():
+        if value is None:
+            out.pop(name, None)
+        else:
+            out[name] = value
+    if threads is not None:
+        out["OMP_NUM_THREADS"] = str(threads)
+    launcher_vars = {"NGPU": ngpu, "CONFIG_FILE": config_file, "LOG_RANK": log_rank}
+    if launcher != "run_train.sh":
+        given = [name for name, value in launcher_vars.items() if value is not None and name != "NGPU"]
+        if given:
+            raise ValueError(f"only run_train.sh reads {', '.join(given)}, not launcher {launcher!r}")
+        return out
+    out.update({name: str(value) for name, value in launcher_vars.items() if value is not None})
+    return out
+
+
+def run_kiln(
+    args: Sequence[str | os.PathLike] = (),
+    *,
+    launcher: Launcher = "run_train.sh",
+    script: str | os.PathLike | None = None,
+    ngpu: int | str | None = None,
+    config_file: str | os.PathLike | None = None,
+    log_rank: str | None = None,
+    threads: int | None = None,
+    env: Mapping[str, str | None] | None = None,
+    inherit_env: bool = True,
+    cwd: str | os.PathLike = ROOT,
+    timeout: float = HANG_TIMEOUT_S,
+    check: bool = False,
+    log: str | os.PathLike | None = None,
+) -> KilnResult:
+    """Run kiln to its end (module docstring); check=True fails the test, with the output, unless it exits 0."""
+    argv = kiln_argv(args, launcher=launcher, script=script, ngpu=ngpu)
+    environ = kiln_env(
+        launcher=launcher,
+        ngpu=ngpu,
+        config_file=config_file,
+        log_rank=log_rank,
+        threads=threads,
+        env=env,
+        inherit_env=inherit_env,
+    )
+    return _run(argv, environ, cwd, timeout, check, log)
+
+
+def start_kiln(
+    args: Sequence[str | os.PathLike] = (),
+    *,
+    launcher: Launcher = "run_train.sh",
+    script: str | os.PathLike | None = None,
+    ngpu: int | str | None = None,
+    config_file: str | os.PathLike | None = None,
+    log_rank: str | None = None,
+    threads: int | None = None,
+    env: Mapping[str, str | None] | None = None,
+    inherit_env: bool = True,
+    cwd: str | os.PathLike = ROOT,
+    merge_stderr: bool = False,
+    new_session: bool = False,
+) -> subprocess.Popen[str]:
+    """Start kiln as run_kiln would and return at once: a Popen with text pipes for stdout and stderr (stderr into
+    stdout with merge_stderr), in its own session with new_session (so the test can kill its whole tree)."""
+    argv = kiln_argv(args, launcher=launcher, script=script, ngpu=ngpu)
+    environ = kiln_env(
+        launcher=launcher,
+        ngpu=ngpu,
+        config_file=config_file,
+        log_rank=log_rank,
+        threads=threads,
+        env=env,
+        inherit_env=inherit_env,
+    )
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
+def run_python(
+    code: str,
+    *args: str,
+    env: Mapping[str, str | None] | None = None,
+    inherit_env: bool = True,
+    cwd: str | os.PathLike = ROOT,
+    timeout: float = HANG_TIMEOUT_S,
+    check: bool = False,
+) -> KilnResult:
+    """`python -c code args` in a fresh interpreter (what a module imports, a patched entry point, a process that
+    dies holding a lock), with run_kiln's environment and output handling."""
+    environ = kiln_env(launcher="python", env=env, inherit_env=inherit_env)
+    return _run([sys.executable, "-c", code, *args], environ, cwd, timeout, check, None)
+
+
+def _run(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | os.PathLike,
+    timeout: float,
+    check: bool,
+    log: str | os.PathLike | None,
+) -> KilnResult:
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    result = KilnResult(argv, proc.returncode, proc.stdout, proc.stderr)
+    if log is not None:
+        Path(log).write_text(result.output)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(argv)[:500]}\nexited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    return result
