@@ -25,8 +25,8 @@ def check_config(argv: list[str], world_size: int | None = None, local_ranks: in
     """Validate the config, the files it names and the model it builds before any rank starts: run_train.sh calls
     it before torchrun, so a mistake is one line before any rank imports anything. With the world size (the
     launcher knows NGPU; `local_ranks` of them on this node) the parallel degrees, the global batch, the model's
-    shape from every source (flavor + model.*, config.json, kiln.json), the TP plan and, on a CPU node, the memory
-    the ranks need are checked too. Returns the config, or None after printing the mistake."""
+    shape from every source (flavor + model.*, config.json, kiln.json), the TP plan, the pipeline split and, on a
+    CPU node, the memory the ranks need are checked too. Returns the config, or None after printing the mistake."""
     from kiln_base.config import check_world, parse_args
     from kiln_base.errors import UserError, say
 
@@ -66,8 +66,9 @@ def check_inputs(cfg: JobConfig) -> int:
 
 def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ranks: int) -> None:
     """The launcher's copy of what each rank checks before it builds (trainer/build.py, the same functions): the
-    shape from every source, the tensor-parallel plan for it, and on a CPU node that the model fits the RAM the
-    node's ranks share (on CUDA each rank checks its GPU: the launcher holds no CUDA context)."""
+    shape from every source, the tensor-parallel plan and the pipeline split for it, and on a CPU node that the
+    model (each pipeline rank's stages) fits the RAM the node's ranks share (on CUDA each rank checks its GPU: the
+    launcher holds no CUDA context)."""
     import torch
 
     from kiln_base.config import check_parallel_plan, resolve_dp_shard
@@ -80,8 +81,9 @@ def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ran
     check_parallel_plan(cfg, args.shape(), "cuda" if gpus else "cpu")
     if not gpus:
         p = cfg.parallelism
-        tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
-        dp_shard = resolve_dp_shard(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp)
+        tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
+        dp, dp_shard_key = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+        dp_shard = resolve_dp_shard(dp, dp_shard_key, tp, world_size, cp=cp, pp=pp)
         build.check_fits(cfg, args, dp_shard * cp * tp, local_ranks, torch.device("cpu"))  # FSDP: dp_shard x cp
 
 

@@ -55,7 +55,9 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
             peak = torch.cuda.max_memory_allocated()
         else:
             peak = _proc_kib("VmHWM") * 1024
-        logits_numel = inputs.numel() * trainer.model.output.out_features
+        output = trainer.model.get_submodule("output")
+        assert isinstance(output, torch.nn.Linear)
+        logits_numel = inputs.numel() * output.out_features
         return {
             "loss": "compiled" if compiled else "eager",
             "peak_mib": (peak - before) / 2**20,

@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from models import Transformer  # noqa: E402
 from trainer.hooks import StepHook, StepOutput  # noqa: E402
 
 # (category, words in the lower-cased kernel name); the first match wins.
@@ -139,8 +138,8 @@ class _Clock:
 class BlockTimer(StepHook):
     """Forward and backward time of `model.layers` inside each measured training step (all micro-batches)."""
 
-    def __init__(self, model: Transformer, warmup: int, cuda: bool, last: int | None = None) -> None:
-        blocks = list(model.layers.values())
+    def __init__(self, model: nn.Module, warmup: int, cuda: bool, last: int | None = None) -> None:
+        blocks = list(model.get_submodule("layers").children())
         self.warmup, self.last, self.cuda, self.active = warmup, last, cuda, False
         self.marks: list[dict[str, _Clock]] = []  # one per micro-batch
         self.per_step: list[tuple[float, float]] = []  # (forward ms, backward ms)

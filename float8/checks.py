@@ -28,9 +28,11 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import is_float8_linear
@@ -79,8 +81,13 @@ class Float8UsageProbe:
     torch.compile graph, fake tensors); emulated is torchao's emulate flag of that matmul.
     """
 
-    def __init__(self, model: nn.Module, cfg: Float8, fsdp_enabled: bool) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: Float8, fsdp_enabled: bool, group: dist.ProcessGroup | None = None
+    ) -> None:
+        """`group`: under pipeline parallelism the pipeline's ranks, whose counts `verify` sums (each holds some
+        stages)."""
         self.model = model
+        self.group = group
         self.cfg = cfg
         self.fsdp_enabled = fsdp_enabled
         self.matmuls: Counter[tuple[str, bool]] = Counter()
@@ -142,31 +149,47 @@ class Float8UsageProbe:
             yield
 
     def verify(self) -> list[str]:
-        """Check each enabled float8 flag took effect; return the findings (logged), raise ConfigError if not."""
+        """Check each enabled float8 flag took effect; return the findings (logged), raise ConfigError if not.
+
+        With a pipeline (`group`: its ranks) the counts are summed over its stages first, so the verdict is the
+        whole model's, and the same on every rank (a stage of only norm and output has no Float8Linear)."""
         cfg, model = self.cfg, self.model
         if not cfg.enable_float8_linear:
             return []
-        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        float8 = [n for n, m in model.named_modules() if is_float8_linear(m)]
-        if not float8:
+        sizes: dict[str, int] = {}
+        if cfg.enable_fsdp_float8_all_gather and self.fsdp_enabled:
+            for root in getattr(model, "parts", [model]):  # a pipeline's stage models: the FSDP roots
+                sizes |= _float8_all_gather_itemsizes(root)
+        wide = sorted(n for n, size in sizes.items() if size != 1)
+        local = _Counts(
+            linears=sum(isinstance(m, nn.Linear) for m in model.modules()),
+            float8=sum(is_float8_linear(m) for m in model.modules()),
+            ran=sum(n for (where, _), n in self.matmuls.items() if where == "ran"),
+            traced=sum(n for (where, _), n in self.matmuls.items() if where == "traced"),
+            emulated=sum(n for (_, emulate), n in self.matmuls.items() if emulate),
+            compilations=self.compilations,
+            compiled=int(_is_compiled(model)),
+            gathered=len(sizes),
+            wide=len(wide),
+        )
+        total = local.summed(self.group, model)
+        if not total.float8:
             raise ConfigError(
-                f"float8.enable_float8_linear is set but none of the {len(linears)} Linears is a Float8Linear "
+                f"float8.enable_float8_linear is set but none of the {total.linears} Linears is a Float8Linear "
                 f"(float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
             )
         kind = "have MXFP8 weights" if cfg.is_mxfp8 else "are NVFP4Linear" if cfg.is_nvfp4 else "are Float8Linear"
-        findings = [f"float8 in use: {len(float8)}/{len(linears)} Linears {kind}", self._matmul_finding()]
+        findings = [f"float8 in use: {total.float8}/{total.linears} Linears {kind}", self._matmul_finding(total)]
         if cfg.enable_fsdp_float8_all_gather:
-            findings.append(self._all_gather_finding())
+            findings.append(self._all_gather_finding(total, wide))
         for line in findings:
             (logger.info if line.startswith("float8 in use") else logger.warning)(line)
         return findings
 
-    def _matmul_finding(self) -> str:
-        ran = sum(n for (where, _), n in self.matmuls.items() if where == "ran")
-        traced = sum(n for (where, _), n in self.matmuls.items() if where == "traced")
-        emulated = sum(n for (_, emulate), n in self.matmuls.items() if emulate)
+    def _matmul_finding(self, total: _Counts) -> str:
+        ran, traced, emulated = total.ran, total.traced, total.emulated
         if ran + traced == 0:
-            if self.compilations == 0 and _is_compiled(self.model):
+            if total.compilations == 0 and total.compiled:
                 # The compiled blocks ran graphs traced before the probe watched (an earlier model in this
                 # process with the same structure); nothing the step did can show what those graphs hold.
                 return "float8 not checked: the compiled blocks reused graphs compiled earlier in this process"
@@ -182,21 +205,37 @@ class Float8UsageProbe:
             kind += f" ({emulated} emulated)"
         return f"float8 in use: {kind} in the first step: {', '.join(how)}"
 
-    def _all_gather_finding(self) -> str:
+    def _all_gather_finding(self, total: _Counts, wide: list[str]) -> str:
         if not self.fsdp_enabled:
             raise ConfigError(
                 "float8.enable_fsdp_float8_all_gather is set but FSDP is not enabled (data_parallel_shard_degree "
                 "x context_parallel_degree = 1): nothing is all-gathered; drop the flag or shard over more ranks"
             )
-        sizes = _float8_all_gather_itemsizes(self.model)
-        wide = sorted(n for n, s in sizes.items() if s != 1)
-        if not sizes or wide:
-            raise ConfigError(
-                "float8.enable_fsdp_float8_all_gather is set but FSDP all-gathers "
-                + (
-                    f"{len(wide)} Float8Linear weights in high precision (e.g. {wide[0]})"
-                    if wide
-                    else "no float8 weight"
-                )
-            )
-        return f"float8 in use: FSDP all-gathers {len(sizes)} Float8Linear weights as 1-byte float8"
+        if not total.gathered or total.wide:
+            example = f" (e.g. {wide[0]})" if wide else ""
+            what = f"{total.wide} Float8Linear weights in high precision{example}" if total.wide else "no float8 weight"
+            raise ConfigError(f"float8.enable_fsdp_float8_all_gather is set but FSDP all-gathers {what}")
+        return f"float8 in use: FSDP all-gathers {total.gathered} Float8Linear weights as 1-byte float8"
+
+
+@dataclass
+class _Counts:
+    """What the probe counted on one rank (or summed over a pipeline's ranks)."""
+
+    linears: int
+    float8: int
+    ran: int
+    traced: int
+    emulated: int
+    compilations: int
+    compiled: int
+    gathered: int  # Float8Linear weights FSDP all-gathers
+    wide: int  # of which in high precision
+
+    def summed(self, group: dist.ProcessGroup | None, model: nn.Module) -> _Counts:
+        if group is None:
+            return self
+        device = next(model.parameters()).device
+        t = torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, group=group)
+        return _Counts(*(int(v) for v in t.tolist()))

@@ -30,10 +30,15 @@ class NumericsReport:
         self.path = os.path.join(folder, f"rank_{rank}.jsonl")
         self.alarmed: set[str] = set()
 
-    def step(self, step: int, stats: dict[str, dict[str, Any]]) -> None:
+    def step(
+        self, step: int, stats: dict[str, dict[str, Any]], every_stage: dict[str, dict[str, Any]] | None = None
+    ) -> None:
+        """Write this rank's `stats`; on the logging rank report `every_stage` (a pipeline's stages' stats, each
+        rank's own layers) when given, else `stats`."""
         with open(self.path, "a", encoding="utf-8") as f:
             for layer, entry in stats.items():
                 f.write(json.dumps({"step": step, "layer": layer, **_json_safe(entry)}, allow_nan=False) + "\n")
+        stats = stats if every_stage is None else every_stage
         if not self.is_logging_rank or not stats:
             return
         if self.writer is not None:

@@ -660,3 +660,17 @@ def cpu_flex_backward() -> Iterator[None]:
         yield
     finally:
         flex._validate_device = original
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+
+def pipeline_warmup_sends_to_own_rank() -> bool:
+    """Whether torch's pipeline schedules start by sending from each stage to its neighbours even when both are on
+    one rank. torch 2.11's `_PipelineScheduleRuntime._initialize_stages` does (`_get_init_p2p_neighbors_ops`): the
+    V schedule's two middle stages share a rank, and gloo has no connection to the rank itself ("Pair is not
+    connected"). torch 2.13 starts with a vote protocol (`_PipelineSchedule._warmup_p2p`) that does not. Checked
+    on torch 2.11.0 (True) and 2.13.0 (False)."""
+    from torch.distributed.pipelining import schedules
+
+    return not hasattr(schedules._PipelineSchedule, "_warmup_p2p")

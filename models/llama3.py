@@ -271,8 +271,7 @@ class Transformer(nn.Module):
 
     def attention_mask(self, tokens: torch.Tensor) -> AttentionMask:
         """The attention mask of a batch of token ids (bs, seqlen): None for causal attention, else the documents'
-        mask (a document starts at each bos_id). Transformer.forward calls it; a pipeline stage fed hidden states
-        is given its result instead."""
+        mask (a document starts at each bos_id). Transformer.forward calls it, on the token ids it is given."""
         args = self.model_args
         if args.attn_mask_type == "causal":
             return None
@@ -283,20 +282,26 @@ class Transformer(nn.Module):
         return block_causal_mask(tokens, args.bos_id)
 
     def forward(
-        self, tokens: torch.Tensor, attention_mask: AttentionMask = None, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        attention_mask: AttentionMask = None,
+        token_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
         whichever of tok_embeddings / norm / output a pipeline stage has removed.
 
-        `attention_mask`: the batch's mask (`attention_mask(tokens)`), built here when not given; a stage without
-        tok_embeddings, which receives hidden states, must be given it under a document mask.
+        `attention_mask`: the batch's mask (`attention_mask(tokens)`), built here when not given. A pipeline stage
+        without tok_embeddings receives hidden states in `tokens`: under a document mask it is given the batch's
+        token ids in `token_ids` (every stage of a pipeline sees the batch; parallelisms/pipeline.py) and builds
+        the same mask from them.
         `positions` (seqlen,) int64: where in the sequence each token sits, when the tokens are not positions
         0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them."""
         if attention_mask is None and self.model_args.attn_mask_type != "causal":
-            if self.tok_embeddings is None:
-                raise ValueError("a stage fed hidden states needs the batch's attention_mask (document masking)")
+            if token_ids is None and self.tok_embeddings is None:
+                raise ValueError("a stage fed hidden states needs the batch's token_ids (document masking)")
             # Eager, once per forward, outside the (compiled) blocks: every block reuses it.
-            attention_mask = self.attention_mask(tokens)
+            attention_mask = self.attention_mask(token_ids if token_ids is not None else tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():

@@ -69,8 +69,10 @@ class Bf16WireReduceScatter(FSDPReduceScatter):
         return None
 
 
-def reduction_line(training: Training, dp_replicate: int, dp_shard: int, tp: int, device_type: str) -> str:
-    """The start-up line naming each gradient reduction this run makes and its precision."""
+def reduction_line(training: Training, dp_replicate: int, dp_shard: int, tp: int, device_type: str, pp: int = 1) -> str:
+    """The start-up line naming each gradient reduction this run makes and its precision. A pipeline (`pp` > 1)
+    reduces no gradient: each of its ranks holds other stages' parameters (only the gradient norm's square is
+    summed over them, in float32)."""
     mode = training.mixed_precision_reduce
     wire = {"float32": "float32", "bfloat16": "bfloat16", BF16_WIRE: "bfloat16 on the wire, float32 sum"}[mode]
     plain = "bfloat16" if mode == "bfloat16" else "float32"
@@ -90,5 +92,10 @@ def reduction_line(training: Training, dp_replicate: int, dp_shard: int, tp: int
                 f"TP all-reduce of partial gradients (norm weights) over {tp} ranks: float32 (no FSDP: {compute} "
                 "compute under autocast, float32 parameters and gradients)"
             )
+    if pp > 1:
+        parts.append(
+            f"none over the {pp} pipeline ranks (each holds its own stages' gradients; the gradient norm sums their "
+            "squares in float32)"
+        )
     what = "; ".join(parts) if parts else "none (one data-parallel rank, no TP)"
     return f"Gradient reductions (training.mixed_precision_reduce = {mode}): {what}"

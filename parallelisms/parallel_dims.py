@@ -18,11 +18,14 @@ class ParallelDims:
     tp: int
     world_size: int
     cp: int = 1  # context parallel: ranks that split every sequence
+    pp: int = 1  # pipeline parallel: ranks the model's stages are split over
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)  # flattened dimensions
 
     def __post_init__(self) -> None:
-        self.dp_shard = resolve_dp_shard(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.cp)
+        self.dp_shard = resolve_dp_shard(
+            self.dp_replicate, self.dp_shard, self.tp, self.world_size, cp=self.cp, pp=self.pp
+        )
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -55,18 +58,25 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def dp_degree(self) -> int:
-        """Number of distinct data streams (ranks in one TP or CP group see the same batch)."""
+        """Number of distinct data streams (the ranks of one TP or CP group, and of one pipeline, see the same
+        batch)."""
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The mesh (dp_replicate, dp_shard, cp, tp), the last innermost (torchtitan's order), with flattened
-        dimensions: `dp` (dp_replicate x dp_shard) for data loading and, with context parallelism, `dp_shard_cp`
-        for FSDP's shard group and `dp_cp` for averaging the loss over every rank that holds different tokens."""
+        """The mesh in torchtitan's order, outermost first: (pp, dp_replicate, dp_shard, cp, tp), every dimension
+        present (size 1 when off). Consecutive ranks share the inner dimensions: TP within a node, pipeline stages
+        across the slowest links. Flattened dimensions: `dp` (dp_replicate x dp_shard) for data loading and, with
+        context parallelism, `dp_shard_cp` for FSDP's shard group and `dp_cp` for averaging the loss over every
+        rank that holds different tokens."""
         mesh = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
         self._flat["dp"] = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
         if self.cp_enabled:  # without CP they would equal dp_shard and dp: no extra process groups then
@@ -109,3 +119,8 @@ class ParallelDims:
     @property
     def cp_mesh(self) -> DeviceMesh:
         return self.mesh["cp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """The ranks of this rank's pipeline: one per stage group, in stage order."""
+        return self.mesh["pp"]

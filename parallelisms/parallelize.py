@@ -66,6 +66,8 @@ def apply_tp(
             use_local_output=not loss_parallel,
         ),
     }
+    # A pipeline stage holds some of these, or none (its model's tok_embeddings / norm / output are None).
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root_plan)
     applied = dict(root_plan)
     if float8_tensorwise:
@@ -160,8 +162,11 @@ def apply_fsdp(
     policy = parallelism.fsdp_reshard_after_forward
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        # By default the last block keeps its params: backward needs them right away.
-        reshard = {"always": True, "never": False}.get(policy, i < len(blocks) - 1)
+        # By default the last block keeps its params: backward needs them right away. A pipeline stage runs the
+        # forwards of several micro-batches before their backwards: by default it keeps every block's params
+        # gathered, one all-gather per step instead of one per micro-batch (torchtitan's default under PP).
+        default = i < len(blocks) - 1 and not parallel_dims.pp_enabled
+        reshard = {"always": True, "never": False}.get(policy, default)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]

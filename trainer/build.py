@@ -6,9 +6,10 @@
     parallel_dims      degrees checked against the world, the shape and the device; the device mesh
     check_fits         the model's training state fits this rank's memory (host RAM on a CPU, the GPU's on CUDA)
     data               the tokenizer's batches, this data-parallel rank's slice
-    build_model        ModelArgs -> model on the meta device -> float8 conversion -> parallelize (CP, TP, AC, compile,
-                       FSDP)
+    build_model        ModelArgs -> model on the meta device -> float8 conversion -> (pipeline stages) -> parallelize
+                       (CP, TP, AC, compile, FSDP)
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
+    pipeline           under pipeline parallelism: the stages as torch PipelineStages and their schedule
     optimizer          AdamW + the LR schedule
     validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
@@ -42,26 +43,32 @@ from kiln_base.config import (
     SHAPE_OVERRIDES,
     JobConfig,
     Model,
+    PipelinePlan,
     check_model_memory,
     check_model_shape,
     check_overrides_match_stored,
     check_parallel_plan,
+    check_pipeline,
+    check_pipeline_device,
     check_same_model,
     check_world,
 )
 from kiln_base.errors import ConfigError
 from kiln_base.files import writable_dir_problem
+from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
 from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
+from parallelisms.pipeline import Pipeline, StagedModel, stage_model
 from parallelisms.seeded_init import init_layout_independent
 from trainer.components.checkpoint import CheckpointManager
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.initial_load import InitialSource, check_not_inside
+from trainer.components.loss import LossFn
 from trainer.components.resume import file_sha256, training_settings
 from trainer.components.tokenizer import Tokenizer
 from trainer.components.validate import Validator
@@ -126,13 +133,15 @@ def memory_capacity(device: torch.device) -> tuple[int, str]:
 
 def check_fits(cfg: JobConfig, args: ModelArgs, shards: int, ranks_sharing: int, device: torch.device) -> None:
     """The model's fp32 weights, gradients and AdamW state split over `shards` ranks, and one micro-batch's logits,
-    for the `ranks_sharing` ranks on one memory, fit that memory (kiln_base.config.check_model_memory); skipped by
-    a dry run, which plans any size and prints its own estimate."""
+    for the `ranks_sharing` ranks on one memory, fit that memory (kiln_base.config.check_model_memory; under
+    pipeline parallelism each rank's stages and a pipeline micro-batch); skipped by a dry run, which plans any size
+    and prints its own estimate."""
     capacity, what = memory_capacity(device)
-    # A context-parallel rank holds 1/cp of each sequence, and its logits.
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len // cfg.parallelism.context_parallel_degree
-    tp = cfg.parallelism.tensor_parallel_degree
-    check_model_memory(args.shape(), shards, tokens, tp, ranks_sharing, capacity, what)
+    p = cfg.parallelism
+    plan = check_pipeline(cfg, args.shape())  # a pipeline rank holds its stages; the last one a micro-batch's logits
+    batch = cfg.training.local_batch_size if plan is None else p.pipeline_parallel_microbatch_size
+    tokens = batch * cfg.training.seq_len // p.context_parallel_degree  # a CP rank: 1/cp of each sequence
+    check_model_memory(args.shape(), shards, tokens, p.tensor_parallel_degree, ranks_sharing, capacity, what, plan)
 
 
 def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> ParallelDims:
@@ -141,20 +150,23 @@ def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> Parallel
     check_world(cfg, world)
     check_parallel_plan(cfg, args.shape(), device_type)
     p = cfg.parallelism
+    check_pipeline_device(p, device_type, pipeline_warmup_sends_to_own_rank())
     dims = ParallelDims(
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
         world,
         cp=p.context_parallel_degree,
+        pp=p.pipeline_parallel_degree,
     )
     dims.build_mesh(device_type)
     return dims
 
 
 def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device) -> DataLoader:
-    """This data-parallel rank's slice of every global batch (ranks of one TP or CP group read the same batches;
-    a CP rank keeps its part of each sequence: Trainer.local_batch)."""
+    """This data-parallel rank's slice of every global batch (the ranks of one TP or CP group, and of one pipeline,
+    read the same batches: the `dp` mesh leaves tp, cp and pp out; a CP rank keeps its part of each sequence:
+    Trainer.local_batch)."""
     dp_rank = dims.dp_mesh.get_local_rank()
     return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
 
@@ -182,27 +194,68 @@ def validator(
 
 @dataclass
 class BuiltModel:
-    model: Transformer  # on the meta device, float8-converted and parallelized
+    model: nn.Module  # on the meta device, float8-converted and parallelized: the Transformer, or under pipeline
+    # parallelism this rank's stages as one module (parallelisms/pipeline.py StagedModel)
+    parts: list[nn.Module]  # what FSDP and the init treat as whole models: [model], or the stage models
     args: ModelArgs
     n_params: int  # before sharding: the whole model's
     flops_per_token: float  # at the configured seq_len under metrics.attention_flops (MFU's numerator per token)
     flops_per_token_by_convention: dict[str, int]  # "full" (6N + 12LHQT) and "causal" (6N + 6LHQT)
-    linear_fqns: list[str]  # every nn.Linear (Float8Linear included), named before AC/compile wrapping
+    linear_fqns: list[str]  # every nn.Linear (Float8Linear included) of the parts, named before AC/compile wrapping
     tp_plan: dict[str, ParallelStyle]  # module FQN -> TP style applied; empty without TP
+    pipeline: PipelinePlan | None = None  # the stages and the schedule; None without pipeline parallelism
+    stage_ids: tuple[int, ...] = (0,)  # the stages `parts` are, under pipeline parallelism
+    # state-dict keys (whole tensors' shapes) held by the other ranks of this rank's pipeline: a checkpoint of the
+    # whole model is checked and loaded against them too (trainer/components/checkpoint.py check_matches)
+    held_elsewhere: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
-def build_model(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, float8: Float8Converter | None) -> BuiltModel:
+def build_model(
+    cfg: JobConfig,
+    args: ModelArgs,
+    dims: ParallelDims,
+    float8: Float8Converter | None,
+    stage_ids: tuple[int, ...] | None = None,
+) -> BuiltModel:
     """The model on the meta device, float8-converted (when a converter is given) and parallelized: the one
-    model-build path, shared by the Trainer and the dry run."""
+    model-build path, shared by the Trainer and the dry run. Under pipeline parallelism the float8-converted model
+    is cut into stages (kiln_base.config.pipeline_plan) and each of this rank's stages (or `stage_ids`: the dry run
+    plans every stage) is parallelized like a whole model."""
     with torch.device("meta"):
         model = Transformer(args)
     if float8 is not None:
         float8.convert(model)
-    linear_fqns = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     n_params = num_params(model)
     flops = {c: flops_per_token(args, model, cfg.training.seq_len, c) for c in FLOP_CONVENTIONS}
-    tp_plan = parallelize_llama(model, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8)
-    return BuiltModel(model, args, n_params, flops[cfg.metrics.attention_flops], flops, linear_fqns, tp_plan)
+    plan = check_pipeline(cfg, args.shape())
+    if plan is None:
+        parts: list[Transformer] = [model]
+        ids: tuple[int, ...] = (0,)
+        elsewhere: dict[str, tuple[int, ...]] = {}
+    else:
+        ids = stage_ids if stage_ids is not None else plan.stage_ids(dims.pp_mesh.get_local_rank())
+        parts = [stage_model(model, plan.stages[i]) for i in ids]
+        local = {k for part in parts for k in part.state_dict()}
+        elsewhere = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in local}
+    linear_fqns = [n for part in parts for n, mod in part.named_modules() if isinstance(mod, nn.Linear)]
+    tp_plan: dict[str, ParallelStyle] = {}
+    for part in parts:
+        tp_plan |= parallelize_llama(part, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8)
+    whole = parts[0] if plan is None else StagedModel(parts)
+    chosen = flops[cfg.metrics.attention_flops]
+    return BuiltModel(whole, list(parts), args, n_params, chosen, flops, linear_fqns, tp_plan, plan, ids, elsewhere)
+
+
+def pipeline(
+    cfg: JobConfig, built: BuiltModel, dims: ParallelDims, device: torch.device, loss_fn: LossFn
+) -> Pipeline | None:
+    """Under pipeline parallelism, this rank's stages as torch PipelineStages and the schedule that runs them (under
+    a document mask every stage is handed the token ids its mask is built from)."""
+    if built.pipeline is None:
+        return None
+    group = dims.pp_mesh.get_group()
+    mbs, masks = cfg.parallelism.pipeline_parallel_microbatch_size, built.args.attn_mask_type != "causal"
+    return Pipeline(built.parts, built.pipeline, built.stage_ids, group, device, loss_fn, mbs, masks)
 
 
 def flops_line(flops: dict[str, int], chosen: str) -> str:
@@ -225,12 +278,14 @@ def init_seed(seed: int | None) -> int:
     return int(drawn)
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate the meta model's shards on `device` and fill them with the values the whole model would hold on one
-    device for `seed`, whatever the layout (parallelisms/seeded_init.py); the model is left in training mode."""
-    model.to_empty(device=device)
-    init_layout_independent(model, seed, device)
-    model.train()
+def materialize(parts: list[nn.Module], device: torch.device, seed: int) -> None:
+    """Allocate the meta model's shards (each pipeline stage's) on `device` and fill them with the values the whole
+    model would hold on one device for `seed`, whatever the layout (parallelisms/seeded_init.py); the model is left
+    in training mode."""
+    for part in parts:
+        part.to_empty(device=device)
+        init_layout_independent(part, seed, device)
+        part.train()
 
 
 def checkpointer(
@@ -238,12 +293,14 @@ def checkpointer(
     claim: FolderClaim | None,
     source: InitialSource | None,
     states: dict[str, Any],
+    held_elsewhere: dict[str, tuple[int, ...]] | None = None,
 ) -> CheckpointManager:
-    """The run's checkpoint manager over `states` (model, optimizer, LR schedule, data loader, train state)."""
+    """The run's checkpoint manager over `states` (model, optimizer, LR schedule, data loader, train state);
+    `held_elsewhere`: the model keys other pipeline stages save (BuiltModel.held_elsewhere)."""
     folder = checkpoint_folder(cfg)
     if source is not None and cfg.checkpoint.enable_checkpoint:
         check_not_inside(source, folder)
-    return CheckpointManager(cfg.checkpoint, folder, states, claim=claim)
+    return CheckpointManager(cfg.checkpoint, folder, states, claim=claim, held_elsewhere=held_elsewhere)
 
 
 def checkpoint_folder(cfg: JobConfig) -> str:

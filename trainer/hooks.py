@@ -103,9 +103,13 @@ class NumericsHook(StepHook):
     """The float8 numerics observatory (float8/numerics.py) every `cfg.numerics_log_freq` steps: those steps run
     eagerly with recording hooks; the others are untouched. What is written and said: float8/numerics_report.py."""
 
-    def __init__(self, model: nn.Module, cfg: Float8, report: NumericsReport) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: Float8, report: NumericsReport, pp_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """`pp_group`: under pipeline parallelism the pipeline's ranks; each records its own stages' Linears, and
+        the report's lines (worst layers, alarms) read every stage's (one gather per numerics step)."""
         self.observatory = NumericsObservatory(model, cfg.recipe)
-        self.freq, self.report = cfg.numerics_log_freq, report
+        self.freq, self.report, self.pp_group = cfg.numerics_log_freq, report, pp_group
 
     def pre_step(self, step: int) -> None:
         self.observatory.active = step % self.freq == 0
@@ -118,7 +122,13 @@ class NumericsHook(StepHook):
     def post_step(self, out: StepOutput) -> None:
         if self.observatory.active:
             self.observatory.active = False
-            self.report.step(out.step, self.observatory.collect())
+            stats = self.observatory.collect()
+            every_stage = None
+            if self.pp_group is not None:
+                gathered: list[dict] = [{} for _ in range(dist.get_world_size(self.pp_group))]
+                dist.all_gather_object(gathered, stats, group=self.pp_group)
+                every_stage = {layer: entry for part in gathered for layer, entry in part.items()}
+            self.report.step(out.step, stats, every_stage)
 
     def close(self) -> None:
         self.observatory.remove()
@@ -288,8 +298,11 @@ class Float8CheckHook(StepHook):
     The probe counts torchao's float8 matmuls below DTensor, FSDP and AC; it changes nothing the step computes,
     and a compiled step stays compiled (the count then comes from tracing the graph)."""
 
-    def __init__(self, model: nn.Module, cfg: Float8, fsdp_enabled: bool) -> None:
-        self.probe: Float8UsageProbe | None = Float8UsageProbe(model, cfg, fsdp_enabled)
+    def __init__(
+        self, model: nn.Module, cfg: Float8, fsdp_enabled: bool, pp_group: dist.ProcessGroup | None = None
+    ) -> None:
+        # Under pipeline parallelism each rank counts its own stages and the verdict sums the pipeline's.
+        self.probe: Float8UsageProbe | None = Float8UsageProbe(model, cfg, fsdp_enabled, pp_group)
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
         return self.probe.during_first_step() if self.probe is not None else contextlib.nullcontext()
@@ -313,10 +326,12 @@ def build_hooks(
     global_mean: Callable[[torch.Tensor], float],
     losses: list[float],
     validator: Validator | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> list[StepHook]:
     """The hooks phase of the build: the loop's non-training concerns, in the order they run. `losses` collects the
     logged losses; `global_mean` averages a loss over the data-parallel ranks (a collective, log steps only);
-    `validator` (validation.enable) validates at step 1 and every validation.freq steps."""
+    `validator` (validation.enable) validates at step 1 and every validation.freq steps; `pp_group`: under pipeline
+    parallelism the pipeline's ranks (the float8 check and report cover every stage)."""
     rank = dist.get_rank()
     f8, t = cfg.float8, cfg.training
     stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
@@ -329,12 +344,13 @@ def build_hooks(
     if float8_on and after:
         hooks.append(Float8ScheduleHook(PrecisionSchedule(model, after, t.steps)))
     if float8_on and not (after and start_step >= after):  # resumed past the switch: nothing to check
-        hooks.append(Float8CheckHook(model, f8, fsdp_enabled))
+        hooks.append(Float8CheckHook(model, f8, fsdp_enabled, pp_group))
     if float8_on and f8.is_nvfp4 and t.seed is not None:
         hooks.append(StochasticRoundingSeedHook(t.seed, rank))
     if float8_on and f8.numerics_log_freq:
         folder = os.path.join(cfg.job.dump_folder, "float8_numerics")
-        hooks.append(NumericsHook(model, f8, NumericsReport(f8, folder, rank, metrics.is_logging_rank, metrics.writer)))
+        report = NumericsReport(f8, folder, rank, metrics.is_logging_rank, metrics.writer)
+        hooks.append(NumericsHook(model, f8, report, pp_group))
 
     def must_check(out: StepOutput) -> bool:
         return stop.stopping or metrics.should_log(out.step) or checkpointer.due(out.step, out.last)

@@ -29,6 +29,7 @@ from kiln_base.errors import CheckpointError
 from parallelisms.context_parallel import build_context_parallel
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallelize import loss_parallel_enabled
+from parallelisms.pipeline import clip_grad_norm_
 from trainer import build
 from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
@@ -41,7 +42,7 @@ from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
-from trainer.tools.dry_run import memory_estimate
+from trainer.tools.dry_run import memory_estimate, stage_share
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
@@ -118,8 +119,12 @@ class Trainer:
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
-        rotate = cfg.parallelism.context_parallel_rotate_method
-        estimate = memory_estimate(self.model, args, t, cfg.activation_checkpoint, self.parallel_dims, rotate)
+        p, d = cfg.parallelism, self.parallel_dims
+        # A pipeline rank: its stages' blocks, and the micro-batches its schedule keeps in flight.
+        mbs, plan = p.pipeline_parallel_microbatch_size, built.pipeline
+        stage = None if plan is None else stage_share(plan, d.pp_mesh.get_local_rank(), mbs)
+        rotate = p.context_parallel_rotate_method
+        estimate = memory_estimate(self.model, args, t, cfg.activation_checkpoint, d, rotate, stage=stage)
         check_memory_budget(cfg, estimate)  # training.memory_budget_gib, before any weight is allocated
         flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
         logger.info(
@@ -127,12 +132,12 @@ class Trainer:
             f"{args.vocab_size}, seq {t.seq_len}; {flops}"
         )
         log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
-        build.materialize(self.model, self.device, build.init_seed(t.seed))
+        build.materialize(built.parts, self.device, build.init_seed(t.seed))
         # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
         self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
         log_precision(t.mixed_precision_param, self.precision, self.device.type)
-        d = self.parallel_dims
-        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard * d.cp, d.tp, self.device.type))  # FSDP: dp_shard x cp
+        # FSDP shards over dp_shard x cp
+        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard * d.cp, d.tp, self.device.type, d.pp))
         self.amp = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if not self.parallel_dims.fully_shard_enabled and self.precision == "bfloat16"
@@ -141,6 +146,7 @@ class Trainer:
         self.cp = build_context_parallel(self.parallel_dims, cfg.parallelism)  # each rank's part of a sequence
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
+        self.pipeline = build.pipeline(cfg, built, self.parallel_dims, self.device, self.loss_fn)  # None without PP
         self.validator = build.validator(
             cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
         )
@@ -157,10 +163,10 @@ class Trainer:
             "dataloader": self.dataloader,
             "train_state": self,
         }
-        self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states)
+        self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states, built.held_elsewhere)
         self.step = self.checkpointer.load(last_step=t.steps)  # a full checkpoint also checks self.settings
         if source is not None and self.checkpointer.loaded is None:  # nothing of this run's to resume
-            load_initial(source, self.model)
+            load_initial(source, self.model, built.held_elsewhere)
         elif self.checkpointer.loaded is None:
             logger.info("Training from scratch (freshly initialised weights)")
         if self.step > 0:
@@ -204,7 +210,11 @@ class Trainer:
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The forward and loss of one batch as training computes them, without backward (validation; the caller
-        holds torch.no_grad): the mean loss over this rank's tokens."""
+        holds torch.no_grad): the mean loss over this rank's tokens (under pipeline parallelism, through every stage:
+        on every rank of the pipeline)."""
+        if self.pipeline is not None:
+            with self.amp, self.loss_context():
+                return self.pipeline.evaluate(inputs, labels)
         with self.loss_context():
             loss = self.forward_loss(inputs, labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -257,14 +267,24 @@ class Trainer:
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             # Tokens this rank computes: a context-parallel rank, its 1/cp of each sequence.
             tokens, data_time = tokens + inputs.numel() // self.parallel_dims.cp, data_time + time.perf_counter() - t0
-            loss_sum += self.forward_backward(inputs, labels)
-        self.metrics.count_step(tokens, data_time)  # once per step, not per micro-batch: the ETA counts steps
+            if self.pipeline is not None:  # every micro-batch through every stage; the loss on every stage's rank
+                with self.amp, self.loss_context():
+                    loss_sum += self.pipeline.step(inputs, labels, self.grad_accum_steps)
+            else:
+                loss_sum += self.forward_backward(inputs, labels)
+        # Once per step, not per micro-batch (the ETA counts steps). A pipeline's ranks share its tokens: each counts
+        # its share, so tps and mfu stay per device (torchtitan divides by the pipeline degree too).
+        self.metrics.count_step(tokens // self.parallel_dims.pp, data_time)
         max_norm = self.cfg.training.max_norm
+        max_norm = max_norm if max_norm > 0 else float("inf")
         # foreach: batched kernels on CUDA. A CPU has none (torch loops over the tensors either way), and there the
         # first foreach dispatch over DTensors costs ~0.6 s of a 4-rank run's first step (sharding propagation).
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=self.device.type == "cuda"
-        )
+        foreach = self.device.type == "cuda"
+        if self.parallel_dims.pp_enabled:  # each rank holds some stages: their norms combine over the pipeline
+            group = self.parallel_dims.pp_mesh.get_group()
+            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, group, foreach)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=foreach)
         self.last_lr = float(self.lr_scheduler.get_last_lr()[0])  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:
@@ -294,6 +314,7 @@ class Trainer:
             self._global_mean_loss,
             self.losses,
             self.validator,
+            self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:

@@ -234,6 +234,21 @@ class Training:
     )
 
 
+# torch.distributed.pipelining's schedules kiln runs (torch's names), by the stages each rank holds: "single" one;
+# "looped" two or more, stage s on rank s mod degree; "v" exactly two, rank r holding stages r and 2 x degree - 1 - r.
+# tests/parallelisms/test_pipeline.py checks this table against torch's schedule classes.
+PP_SCHEDULES = {
+    "GPipe": "single",
+    "1F1B": "single",
+    "Interleaved1F1B": "looped",
+    "LoopedBFS": "looped",
+    "InterleavedZeroBubble": "looped",
+    "ZBVZeroBubble": "v",
+}
+# Zero-bubble schedules split each backward into input and weight gradients; torch refuses compiled stages there.
+PP_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
 @dataclass
 class Validation:
     """torchtitan's [validation]: the loss on held-out data every `freq` steps, outside training (no gradients, no
@@ -298,6 +313,47 @@ class Parallelism:
         "Context-parallel split of a sequence: headtail = 2 x degree chunks, rank i holds chunks i and "
         '2 x degree - 1 - i (equal causal-attention work per rank); none (or "") = one contiguous chunk per rank.',
         ("headtail",),
+    )
+    pipeline_parallel_degree: int = _f(
+        1,
+        "Pipeline-parallel degree: ranks the model's layers are split over, in stages (the slowest links, across "
+        "nodes); 1 = off, and the other pipeline_parallel_* keys are then not read.",
+        valid=AT_LEAST_1,
+    )
+    pipeline_parallel_schedule: str = _f(
+        "1F1B",
+        "torch.distributed.pipelining schedule. GPipe and 1F1B run one stage per rank; Interleaved1F1B, LoopedBFS "
+        "and InterleavedZeroBubble two or more (stage s on rank s mod degree); ZBVZeroBubble exactly two, in a V.",
+        tuple(PP_SCHEDULES),
+    )
+    pipeline_parallel_layers_per_stage: int | None = _f(
+        None,
+        "Transformer blocks per (virtual) stage, the embedding and the output counting as first/last_stage_less_"
+        "layers blocks: ceil((n_layers + both) / this) stages. Unset: one stage per rank (two for the looped and V "
+        "schedules).",
+        valid=AT_LEAST_1,
+    )
+    pipeline_parallel_first_stage_less_layers: int = _f(
+        1, "Blocks the first stage holds fewer than the others (the embedding counts as this many).", valid=AT_LEAST_0
+    )
+    pipeline_parallel_last_stage_less_layers: int = _f(
+        1, "Blocks the last stage holds fewer than the others (norm + output count as this many).", valid=AT_LEAST_0
+    )
+    pipeline_parallel_split_points: list[str] = _f(
+        [],
+        "Blocks that begin a stage, e.g. layers.4,layers.8 (3 stages); the embedding goes to the first stage, norm "
+        "and output to the last. Replaces the automatic split.",
+    )
+    module_fqns_per_model_part: list[list[str]] | None = _f(
+        None,
+        'The modules of each stage, in order (TOML: [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]; '
+        "command line: stages separated by ';'); every module exactly once. Replaces the automatic split.",
+    )
+    pipeline_parallel_microbatch_size: int = _f(
+        1,
+        "Sequences per pipeline micro-batch: training.local_batch_size / this micro-batches flow through the stages "
+        "each step (and each gradient-accumulation micro-batch).",
+        valid=AT_LEAST_1,
     )
 
 

@@ -6,10 +6,10 @@ Each row says what kiln does with the key:
     honour   kiln has the key under the same name and meaning: passed through unchanged
     map      kiln has it under another name or shape (`model.converters = ["float8"]` ->
              `float8.enable_float8_linear = true`): translated, and the translation logged once
-    ignore   accepted and ignored while the value asks for nothing kiln lacks (`pipeline_parallel_degree = 1`,
-             `context_parallel_degree = 1`); any other value is refused with one line naming the key, the value and
-             what kiln offers instead. Keys only read by a feature kiln refuses elsewhere (the pipeline
-             schedule, MoE's settings) are ignored whatever their value.
+    ignore   accepted and ignored while the value asks for nothing kiln lacks (`context_parallel_degree = 1`,
+             `pipeline_parallel_schedule_csv = ""`); any other value is refused with one line naming the key, the
+             value and what kiln offers instead. Keys only read by a feature kiln refuses elsewhere (MoE's
+             settings) are ignored whatever their value.
 
 torchtitan's default value of a key is always accepted: a file that spells out every default (torchtitan's
 `--job.save_config_file` writes one) must run. Names neither kiln nor torchtitan has stay errors, with the
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln_base.config.schema import JobConfig
+from kiln_base.config.schema import PP_SCHEDULES, JobConfig
 from kiln_base.config.values import check_choice, convert, suggest
 from kiln_base.errors import ConfigError
 
@@ -158,6 +158,20 @@ def _converters(value: list[str]) -> dict[str, Any]:
     return {"float8.enable_float8_linear": any(name in FLOAT8_CONVERTERS for name in value)}
 
 
+def _pp_schedule(value: str) -> dict[str, Any]:
+    """torch's get_schedule_class matches names without regard to case; kiln's key takes torch's spelling."""
+    name = next((n for n in PP_SCHEDULES if n.lower() == value.lower()), None)
+    if name is None:
+        csv = "runs a schedule from a CSV file, which kiln does not read"
+        why = {
+            "dualpipev": "DualPipeV overlaps expert-parallel communication (MoE), which kiln does not have",
+            "pipelineschedulesingle": f"PipelineScheduleSingle {csv}",
+            "pipelineschedulemulti": f"PipelineScheduleMulti {csv}",
+        }.get(value.lower(), "unknown schedule")
+        raise Refused(f"{why}; kiln runs {', '.join(PP_SCHEDULES)}")
+    return {"parallelism.pipeline_parallel_schedule": name}
+
+
 def _tokenizer_path(value: str) -> dict[str, Any]:
     return {"model.tokenizer_path": KILN_TOKENIZER if _is_torchtitan_test_tokenizer(value) else value}
 
@@ -193,13 +207,11 @@ def _compile_components(value: list[str]) -> bool:
 
 # ----------------------------------------------------------------------------- the table
 
-PP_ONLY = "only read when parallelism.pipeline_parallel_degree > 1, which kiln refuses"
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
 FT_ONLY = "only read when fault_tolerance.enable is true, which kiln refuses"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
 MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
 WORKERS_ONLY = "only read with dataloader worker processes (num_workers > 0), which kiln refuses"
-PP_OFFER = "pipeline parallelism is not supported; use tensor_parallel_degree / FSDP (data_parallel_shard_degree)"
 MOE_OFFER = "MoE (expert parallelism) is not supported; kiln trains dense Llama 3"
 NO_USER_MODULES = "kiln does not import user modules; its config keys are fixed (train.py --help)"
 DRY_RUN_OFFER = "--job.dry_run prints which Linears became Float8Linear, the parallel plan and a memory estimate"
@@ -385,16 +397,30 @@ ROWS_LIST: tuple[Key, ...] = (
         OFF,
         "compiled autograd is not supported; training.compile compiles each block's forward and backward",
     ),
-    ignore_if("parallelism.pipeline_parallel_degree", ALL, int, (1,), "pipeline parallelism off", PP_OFFER),
-    ignore_any("parallelism.pipeline_parallel_split_points", V010, PP_ONLY),
-    ignore_any("parallelism.module_fqns_per_model_part", V02, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_first_stage_less_layers", V02, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_last_stage_less_layers", V02, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_layers_per_stage", ALL, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_schedule", ALL, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_schedule_csv", ALL, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_microbatch_size", ALL, PP_ONLY),
-    ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, PP_ONLY),
+    honour("parallelism.pipeline_parallel_degree", ALL),
+    honour("parallelism.pipeline_parallel_split_points", V010),
+    honour("parallelism.module_fqns_per_model_part", V02),
+    honour("parallelism.pipeline_parallel_first_stage_less_layers", V02),
+    honour("parallelism.pipeline_parallel_last_stage_less_layers", V02),
+    honour("parallelism.pipeline_parallel_layers_per_stage", ALL),
+    mapped(
+        "parallelism.pipeline_parallel_schedule",
+        ALL,
+        str,
+        _pp_schedule,
+        f"honoured ({', '.join(PP_SCHEDULES)}), names matched without regard to case as torch does; DualPipeV "
+        "(for MoE) and the base classes PipelineScheduleSingle / Multi (for CSV schedules) refused",
+    ),
+    ignore_if(
+        "parallelism.pipeline_parallel_schedule_csv",
+        ALL,
+        str | None,
+        ("", None),
+        "no schedule file",
+        "schedules from a CSV file are not supported; choose parallelism.pipeline_parallel_schedule",
+    ),
+    honour("parallelism.pipeline_parallel_microbatch_size", ALL),
+    ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, EP_ONLY),
     honour("parallelism.context_parallel_degree", ALL, "kiln's own CP attention (CPU and CUDA; docs/parallelisms.md)"),
     honour("parallelism.context_parallel_rotate_method", ALL),
     mapped(

@@ -33,8 +33,9 @@ def convert(value: Any, tp: Any, where: str, toml: bool = False) -> Any:
         return convert(value, inner, where, toml)
     if origin is list:
         (inner,) = args
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # a list of lists on the command line: "a,b;c" is [["a", "b"], ["c"]]
+            sep = ";" if typing.get_origin(inner) is list else ","
+            value = [v.strip() for v in value.split(sep) if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [convert(v, inner, where, toml) for v in value]

@@ -1,7 +1,8 @@
-"""Every pair of (precision, layout, context parallelism, activation checkpointing, compile, attention) values trained
-end to end.
+"""Every pair of (precision, layout, context parallelism, activation checkpointing, compile, attention, pipeline)
+values trained end to end.
 
-The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 3 x 2 x 2 = 1080 runs)
+The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 3 x 2 x 2 x 3 = 3240
+runs)
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
 construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
@@ -76,13 +77,22 @@ COMPILES: dict[str, tuple[str, ...]] = {"eager": (), "compile": ("--training.com
 # Document masking (models/attention.py): the flex flavor of the debug model; on the CPU its block mask runs
 # through SDPA, evaluated densely inside each block (the BlockMask itself crosses TP, FSDP, AC and compile).
 ATTENTIONS: dict[str, tuple[str, ...]] = {"causal": (), "block_causal": ("--model.flavor", "debugmodel_flex_attn")}
-AXES = {
+# Pipeline parallelism multiplies the layout's world by its degree (the pipeline's ranks are the outermost mesh
+# dimension): 1F1B holds one stage per rank, Interleaved1F1B two (here [embedding], [block 0], [block 1], [norm +
+# output] over 2 ranks); micro-batches of one sequence. name -> (degree, arguments)
+PIPELINES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "off": (1, ()),
+    "1F1B": (2, (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "1F1B")),
+    "Interleaved1F1B": (2, (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "Interleaved1F1B")),
+}
+AXES = {  # in Cell's field order
     "precision": PRECISIONS,
     "layout": LAYOUTS,
     "cp": CPS,
     "ac": ACS,
     "compile": COMPILES,
     "attention": ATTENTIONS,
+    "pp": PIPELINES,
 }
 
 GLOBAL_BATCH, STEPS = 4, 4
@@ -103,15 +113,17 @@ class Cell:
     ac: str
     compile: str
     attention: str
+    pp: str = "off"
 
     @property
     def id(self) -> str:
         cp = "" if self.cp == "off" else f"-{self.cp}"
-        return f"{self.precision}-{self.layout}{cp}-{self.ac}-{self.compile}-{self.attention}"
+        pipeline = "" if self.pp == "off" else f"-{self.pp}"
+        return f"{self.precision}-{self.layout}{cp}-{self.ac}-{self.compile}-{self.attention}{pipeline}"
 
     @property
     def world_size(self) -> int:
-        return LAYOUTS[self.layout][0] * CPS[self.cp][0]
+        return LAYOUTS[self.layout][0] * CPS[self.cp][0] * PIPELINES[self.pp][0]
 
     @property
     def dp_degree(self) -> int:
@@ -126,6 +138,7 @@ class Cell:
             *ACS[self.ac],
             *COMPILES[self.compile],
             *ATTENTIONS[self.attention],
+            *PIPELINES[self.pp][1],
         )
         return [*COMMON, *local_batch, *extra, "--job.dump_folder", dump_folder]
 
@@ -133,6 +146,9 @@ class Cell:
 CP_DOCUMENT_MASK = (
     "refused (config error, exit 2): context parallelism splits causal attention only; a document mask is not "
     "split over its ranks yet"
+)
+CP_PIPELINE = (
+    "refused (config error, exit 2): a pipeline's stages do not take a context-parallel rank's part of the sequence yet"
 )
 TP_COMPILE_LAYER_AC = (
     "refused on CPU (config error, exit 2): TP + compile + whole-block AC fails in the first forward "
@@ -146,12 +162,21 @@ EXCLUDED: list[tuple[dict[str, tuple[str, ...]], str]] = [
         "invalid: float8 all-gather needs FSDP (the first-step float8 check exits 2); with CP its ranks shard",
     ),
     (
+        {"cp": ("cp2", "cp2_a2a"), "pp": ("1F1B", "Interleaved1F1B")},
+        CP_PIPELINE,
+    ),
+    (
         {"cp": ("cp2", "cp2_a2a"), "attention": ("block_causal",)},
         CP_DOCUMENT_MASK,
     ),
     (
         {"layout": ("tp2", "fsdp2xtp2"), "ac": ("layer",), "compile": ("compile",)},
         TP_COMPILE_LAYER_AC,
+    ),
+    (
+        {"layout": ("hsdp2x2",), "pp": ("1F1B",)},
+        "invalid here: 1F1B needs a micro-batch per stage, and 4 data-parallel ranks leave a local batch of 1 of the "
+        "global 4 (config error, exit 2)",
     ),
 ]
 
@@ -165,8 +190,8 @@ def excluded(cell: Cell) -> str | None:
 
 
 def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
-    values = (cell.precision, cell.layout, cell.cp, cell.ac, cell.compile, cell.attention)
-    return set(itertools.combinations(list(zip(AXES, values, strict=True)), 2))
+    values = [(axis, getattr(cell, axis)) for axis in AXES]
+    return set(itertools.combinations(values, 2))
 
 
 def _cost(cell: Cell) -> int:
@@ -203,9 +228,9 @@ CELLS = covering_cells()
 
 
 def reference(attention: str) -> Cell:
-    """The one-process, float8-off, no-AC, eager run of an attention: every cell of every layout starts from the
-    same weights (one seed, one model: parallelisms/seeded_init.py) and sees the same global batches, so each is
-    compared with it."""
+    """The one-process, float8-off, no-AC, eager run of an attention: every cell of every layout, CP and pipeline
+    starts from the same weights (one seed, one model: parallelisms/seeded_init.py) and sees the same global
+    batches, so each is compared with it."""
     return Cell("bf16", "1rank", "off", "none", "eager", attention)
 
 
@@ -294,10 +319,12 @@ def _check_trains(cell: Cell, result: dict[str, Any], ref: dict[str, Any]) -> No
     # From ~ln(vocab) = 7.7, lr 3e-3: some later step is well below the first (not always the last: batches differ).
     assert min(losses[1:]) < losses[0] - 0.3, losses
     # Against one process's float8-off eager run on the same weights and batches: AC recomputes the same fp32
-    # kernels (equal on one process; other layouts reduce in another order, and CP merges attention blocks by
-    # log-sum-exp: fp32 noise); compile reorders fp32 sums and float8 rounds, which AdamW's first steps amplify.
+    # kernels (equal on one process; other layouts reduce in another order, CP merges attention blocks by
+    # log-sum-exp, and a pipeline sums its micro-batches' gradients and means their losses: fp32 noise); compile
+    # reorders fp32 sums and float8 rounds, which AdamW's first steps amplify.
     exact = cell.precision == "bf16" and cell.compile == "eager"
-    tol = (1e-6 if cell.layout == "1rank" and cell.cp == "off" else 1e-5) if exact else 3e-3
+    one_process = cell.layout == "1rank" and cell.cp == "off" and cell.pp == "off"
+    tol = (1e-6 if one_process else 1e-5) if exact else 3e-3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=tol, atol=0)
     if cell.compile == "compile":  # every graph compiles in step 1: a recompile per batch would cost more than a mask
         graphs = result["graphs"]
@@ -329,24 +356,34 @@ def test_excluded_cells_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     from models import LLAMA3_FLAVORS
 
     refused = [c for c in all_cells() if excluded(c) == TP_COMPILE_LAYER_AC]
-    # tp2 and fsdp2xtp2 with layer AC + compile: without CP (no float8 all-gather on tp2) under both attentions,
-    # with either CP under causal attention (document masks are refused with CP first)
-    assert len(refused) == 2 * (5 + 6) + 2 * (6 + 6)
+    # tp2 and fsdp2xtp2 with layer AC + compile: without CP (no float8 all-gather on tp2) under both attentions and
+    # every pipeline value, with either CP under causal attention without a pipeline (document masks and pipelines
+    # are refused with CP first)
+    assert len(refused) == 2 * (5 + 6) * len(PIPELINES) + 2 * (6 + 6)
     for cell in refused:
         cfg = parse_args(cell.argv(str(tmp_path)))
         with pytest.raises(ConfigError, match="fails in"):
             check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel"].shape(), "cpu")
     cp_masked = [c for c in all_cells() if excluded(c) == CP_DOCUMENT_MASK]
-    assert len(cp_masked) == 6 * 5 * 2 * 3 * 2
+    assert len(cp_masked) == 6 * 5 * 2 * 3 * 2  # without a pipeline (CP with one is refused first)
     for cell in cp_masked[:: len(cp_masked) // 7]:
         cfg = parse_args(cell.argv(str(tmp_path)))
         with pytest.raises(ConfigError, match="context_parallel_degree 2 with model.flavor debugmodel_flex_attn"):
             check_parallel_plan(cfg, LLAMA3_FLAVORS["debugmodel_flex_attn"].shape(), "cpu")
+    cp_pipelined = [c for c in all_cells() if excluded(c) == CP_PIPELINE]
+    assert len(cp_pipelined) == 6 * 5 * 2 * 3 * 2 * 2 * 2
+    for cell in cp_pipelined[:: len(cp_pipelined) // 7]:
+        with pytest.raises(ConfigError, match="stages do not take a context-parallel rank's part of the sequence"):
+            parse_args(cell.argv(str(tmp_path)))
     cell = Cell("tensorwise_ag", "1rank", "off", "none", "eager", "causal")
     assert excluded(cell).startswith("invalid")
     assert train.main([*cell.argv(str(tmp_path)), "--training.steps", "1"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kiln: error: float8.enable_fsdp_float8_all_gather is set but FSDP is not enabled"), line
+    cell = Cell("bf16", "hsdp2x2", "off", "none", "eager", "causal", "1F1B")
+    assert excluded(cell).startswith("invalid")
+    with pytest.raises(ConfigError, match="1F1B needs at least 2 micro-batches"):
+        parse_args(cell.argv(str(tmp_path)))
 
 
 # ----------------------------------------------------------------------------- the list itself
@@ -361,19 +398,25 @@ def test_cells_cover_every_pair_of_axis_values() -> None:
     # all-gather on 1 rank or TP 2 is invalid without CP, but CP's ranks shard).
     every = set().union(*(_pairs(c) for c in all_cells()))
     missing = {tuple(v for _, v in pair) for pair in every - wanted}
-    assert missing == {("cp2", "block_causal"), ("cp2_a2a", "block_causal")}
+    assert missing == {
+        ("cp2", "block_causal"),
+        ("cp2_a2a", "block_causal"),
+        ("hsdp2x2", "1F1B"),
+        *((cp, pp) for cp in ("cp2", "cp2_a2a") for pp in ("1F1B", "Interleaved1F1B")),
+    }
     assert covering_cells() == CELLS  # deterministic
+    assert not any(c.world_size == 8 and c.compile == "compile" for c in CELLS)  # compiling 8 processes: too slow
 
 
 def composition_table() -> str:
     """The markdown table in docs/parallelisms.md: every cell run here, then the combinations excluded."""
     rows = [
-        "| precision | layout | CP | AC | compile | attention | status (CPU, gloo) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| precision | layout | CP | AC | compile | attention | pipeline | status (CPU, gloo) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in CELLS:
         test_id = f"`test_composition.py::test_cell[{c.id}]`"
-        cols = (c.precision, c.layout, c.cp, c.ac, c.compile, c.attention)
+        cols = (c.precision, c.layout, c.cp, c.ac, c.compile, c.attention, c.pp)
         rows.append(f"| {' | '.join(cols)} | tested: {test_id} |")
     for match, reason in EXCLUDED:
         axes = [", ".join(match.get(axis, ("any",))) for axis in AXES]

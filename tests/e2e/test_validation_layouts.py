@@ -1,5 +1,6 @@
-"""Validation in every layout: the same weights give the same validation loss on 1 rank, FSDP 2 and TP 2, causal
-and block-causal, and every layout puts it in the step line (and TensorBoard).
+"""Validation in every layout: the same weights give the same validation loss on 1 rank, FSDP 2, TP 2 and PP 2
+(1F1B, Interleaved1F1B, InterleavedZeroBubble), causal and block-causal, and every layout puts it in the step line
+(and TensorBoard).
 
 Every run starts from one set of weights, whatever the init does: a one-process run saves a checkpoint, and each
 layout loads it through `checkpoint.initial_load_path`. Each then trains one step at lr 1e-12 (a change of ~1e-12 per
@@ -33,6 +34,16 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (world size, argu
                   "--validation.local_batch_size", "2", "--metrics.enable_tensorboard")),
     "tp2": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}tensor_parallel_degree", "2",
                 "--training.local_batch_size", "4", "--validation.local_batch_size", "4")),
+    # Pipelines validate through schedules of their own (parallelisms/pipeline.py Pipeline.evaluate): 1F1B with
+    # 2 training micro-batches (2 accumulation steps) and 4 validation ones; the looped schedules over 4 stages.
+    "pp2": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}pipeline_parallel_degree", "2",
+                "--training.local_batch_size", "2", "--validation.local_batch_size", "4")),
+    "pp2_interleaved": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}pipeline_parallel_degree", "2",
+                            f"{P}pipeline_parallel_schedule", "Interleaved1F1B",
+                            "--training.local_batch_size", "4", "--validation.local_batch_size", "4")),
+    "pp2_zero_bubble": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}pipeline_parallel_degree", "2",
+                            f"{P}pipeline_parallel_schedule", "InterleavedZeroBubble",
+                            "--training.local_batch_size", "4", "--validation.local_batch_size", "4")),
 }  # fmt: skip
 ATTENTION = {"causal": (), "block_causal": ("--model.flavor", "debugmodel_flex_attn")}
 
@@ -77,7 +88,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], d
 
 
 @pytest.mark.parametrize("attention", list(ATTENTION))
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "1rank"])
 def test_same_weights_same_validation_loss_in_every_layout(
     layout: str, attention: str, results: dict[tuple[str, str], dict[str, Any]]
 ) -> None:

@@ -618,3 +618,34 @@ def test_compile_transparent_dispatch_mode_sees_compiled_graph_ops() -> None:
         out = f(torch.ones(4))
     assert runs == [1] and "aten.sin.default" in mode.ops
     assert torch.allclose(out, 2 * torch.sin(torch.ones(4)))
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+
+def _v_schedule_on_gloo() -> str:
+    """On each of 2 gloo ranks: one ZBVZeroBubble step over 4 Linear stages (rank r holds stages r and 3 - r)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    rank = dist.get_rank()
+    stages = [PipelineStage(torch.nn.Linear(4, 4), i, 4, torch.device("cpu")) for i in (rank, 3 - rank)]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=2, loss_fn=lambda out, target: out.sum())
+    try:
+        schedule.step(torch.ones(2, 4), target=torch.ones(2, 4)) if rank == 0 else schedule.step()
+    except RuntimeError as e:
+        return str(e)
+    return "ok"
+
+
+@pytest.mark.distributed
+def test_pipeline_warmup_sends_to_own_rank() -> None:
+    """The probe against what happens: torch 2.13 runs a V schedule on gloo; torch 2.11 fails its start-up send to
+    the rank itself (kiln refuses ZBVZeroBubble on a CPU there, kiln_base/config/checks.py check_pipeline_device)."""
+    from kiln_base.internals import pipeline_warmup_sends_to_own_rank
+    from tests.helpers.distributed import run_distributed
+
+    results = run_distributed(_v_schedule_on_gloo, 2)
+    if pipeline_warmup_sends_to_own_rank():
+        assert any("Pair is not connected" in r for r in results), results
+    else:
+        assert results == ["ok", "ok"]

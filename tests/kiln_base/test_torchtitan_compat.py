@@ -142,8 +142,10 @@ def test_debug_configs_of_every_release_mean_the_same_run() -> None:
     """v0.1.0's names (lr_min, tokenizer_path, [float8], checkpoint.enable_checkpoint) and v0.2's (min_lr_factor,
     hf_assets_path, [quantize.linear.float8], checkpoint.enable, [compile]) resolve to one kiln config."""
     configs = [parse_args(["--job.config_file", fixture(r, "debug_model")]) for r in RELEASES]
+    assert [c.parallelism.pipeline_parallel_schedule for c in configs] == ["1F1B", *["Interleaved1F1B"] * 3]
     for c in configs:
         c.job.config_file = None  # the one difference: the file's own path
+        c.parallelism.pipeline_parallel_schedule = "1F1B"  # v0.2's names one, not read at pipeline degree 1
         assert not c.validation.enable  # v0.2's files add a [validation] section that is off
         c.validation = Validation()
     assert all(c == configs[0] for c in configs[1:])
@@ -199,6 +201,10 @@ MAPPINGS = [
     ),
     (["--comm.mode", "fake_backend"], {"job.dry_run": True}),
     (["--parallelism.pipeline_parallel_degree", "1", "--metrics.no-enable_wandb"], {}),
+    (
+        ["--parallelism.pipeline_parallel_schedule", "zbvzerobubble"],
+        {"parallelism.pipeline_parallel_schedule": "ZBVZeroBubble"},
+    ),
     (["--metrics.enable_wandb"], {"metrics.enable_wandb": True}),  # honoured (trainer/components/scalar_writers.py)
 ]
 
@@ -222,13 +228,13 @@ def test_toml_nested_quantize_table_and_cli_override(tmp_path: Path) -> None:
 
 def test_each_translation_is_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "tt.toml"
-    path.write_text('[model]\nconverters = ["float8"]\n[parallelism]\npipeline_parallel_degree = 1\n')
+    path.write_text('[model]\nconverters = ["float8"]\n[parallelism]\nexpert_parallel_degree = 1\n')
     with caplog.at_level(logging.INFO, logger="kiln"):
         parse_args(["--job.config_file", str(path), "--job.dry_run", "--model.converters", "float8"])
     lines = [r.getMessage() for r in caplog.records]
     assert lines.count('torchtitan key model.converters = ["float8"] -> float8.enable_float8_linear = true') == 1
-    assert [line for line in lines if "pipeline_parallel_degree" in line] == [
-        "torchtitan key parallelism.pipeline_parallel_degree = 1 ignored: pipeline parallelism off"
+    assert [line for line in lines if "expert_parallel_degree" in line] == [
+        "torchtitan key parallelism.expert_parallel_degree = 1 ignored: expert parallelism off"
     ]
     assert len(lines) == 2
 
@@ -237,14 +243,15 @@ def test_each_translation_is_logged_once(tmp_path: Path, caplog: pytest.LogCaptu
 
 REFUSALS = [
     (
-        ["--parallelism.pipeline_parallel_degree", "4"],
-        "--parallelism.pipeline_parallel_degree = 4: pipeline parallelism is not supported; "
-        "use tensor_parallel_degree / FSDP",
+        ["--parallelism.pipeline_parallel_schedule_csv", "s.csv"],
+        '--parallelism.pipeline_parallel_schedule_csv = "s.csv": schedules from a CSV file are not supported; '
+        "choose parallelism.pipeline_parallel_schedule",
     ),
     (
         ["--parallelism.context_parallel_load_balancer", "ptrr"],
         '--parallelism.context_parallel_load_balancer = "ptrr": the per-token round-robin balancer serves',
     ),
+    (["--parallelism.pipeline_parallel_schedule", "DualPipeV"], '"DualPipeV": DualPipeV overlaps expert-parallel'),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
     (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs; kiln trains dense"),
     (["--training.dtype", "bfloat16"], '--training.dtype = "bfloat16": all-bfloat16 training is not supported'),
@@ -284,8 +291,8 @@ def test_unknown_names_stay_errors_with_a_suggestion(argv: list[str], message: s
 
 def test_toml_refusal_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "tt.toml"
-    path.write_text("[parallelism]\npipeline_parallel_degree = 2\n")
-    with pytest.raises(ConfigError, match=r"tt.toml: parallelism.pipeline_parallel_degree = 2: pipeline parallelism"):
+    path.write_text('[parallelism]\npipeline_parallel_schedule_csv = "s.csv"\n')
+    with pytest.raises(ConfigError, match=r'tt.toml: parallelism.pipeline_parallel_schedule_csv = "s.csv": schedules'):
         parse_args(["--job.config_file", str(path)])
     path.write_text("[quantize.linear.float8]\nrecipe = 'rowwise'\n")
     with pytest.raises(ConfigError, match=r"tt.toml: quantize.linear.float8.recipe: unknown key .* did you mean"):
@@ -295,7 +302,7 @@ def test_toml_refusal_names_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--parallelism.pipeline_parallel_degree", "4"],  # ignore-if refusal
+        ["--parallelism.pipeline_parallel_schedule_csv", "s.csv"],  # ignore-if refusal
         ["--model.converters", "mx"],  # map refusal
         ["--quantize.linear.float8.recipe_name", "rowwize"],  # bad choice
         ["--validation.enabel"],  # unknown name
@@ -324,4 +331,4 @@ def test_debug_config_trains_through_run_train_sh(release: str, tmp_path: Path) 
     losses = [float(m) for m in re.findall(r"step: +\d+  loss: +([-\d.naninf]+)", out)]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), out[-3000:]
     assert out.count('training.dataset = "c4_test" -> training.dataset = "kiln_corpus"') == 1
-    assert out.count("parallelism.pipeline_parallel_degree = 1 ignored") == 1
+    assert "Pipeline:" not in out  # pipeline_parallel_degree = 1: off (v0.2.2's schedule is not read)

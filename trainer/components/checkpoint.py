@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -145,24 +145,43 @@ def is_model_key(key: str) -> bool:
     return key.split(".", 1)[0] not in (OPTIMIZER, "lr_scheduler", DATALOADER, TRAIN_STATE)
 
 
-def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: bool) -> None:
+def _param_of_optimizer_key(key: str) -> str | None:
+    """The parameter FQN of a flattened optimizer key (`optimizer.state.<fqn>.exp_avg`,
+    `optimizer.param_groups.<fqn>.lr`), None for any other key."""
+    for prefix in (f"{OPTIMIZER}.state.", f"{OPTIMIZER}.param_groups."):
+        if key.startswith(prefix):
+            return key[len(prefix) :].rsplit(".", 1)[0]
+    return None
+
+
+def check_matches(
+    path: str,
+    ours: dict[str, Any],
+    md: Metadata,
+    weights_only: bool,
+    held_elsewhere: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
     """Raise CheckpointError if checkpoint `path` cannot fill state dict `ours`: other model shape or state keys.
 
+    `held_elsewhere`: the model keys (whole shapes) that other ranks of a pipeline hold instead of this one; they
+    are checked too (so every rank finds the same mismatch), and their optimizer entries are not extra here.
     The data-loader position is global (the same on every rank), so any data-parallel layout resumes it."""
     flat, _ = flatten_state_dict(ours)
+    elsewhere = dict(held_elsewhere or {})
     saved = md.state_dict_metadata
     where = f"checkpoint {path}"
-    for key, value in flat.items():  # model keys come first: a shape mismatch is reported before layout
-        if not is_model_key(key):
-            continue
+    shapes = {k: tuple(v.shape) for k, v in flat.items() if is_model_key(k) and isinstance(v, torch.Tensor)}
+    model_keys = [k for k in flat if is_model_key(k)] + [k for k in elsewhere if k not in flat]
+    for key in sorted(model_keys, key=_model_key_order):  # model keys first: a shape mismatch before layout
         if key not in saved:
             raise CheckpointError(f"{where} holds another model: it has no '{key}'")
         meta = saved[key]
-        if isinstance(value, torch.Tensor):
+        shape = shapes.get(key, elsewhere.get(key))
+        if shape is not None:
             got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "not a tensor"
-            if got != tuple(value.shape):
+            if got != shape:
                 raise CheckpointError(
-                    f"{where} holds another model: '{key}' has shape {got} there but {tuple(value.shape)} "
+                    f"{where} holds another model: '{key}' has shape {got} there but {shape} "
                     "in this model (check model.flavor and the tokenizer's vocabulary)"
                 )
     for key, value in flat.items():  # the optimizer's tensors too: a record is never larger than what it fills
@@ -175,7 +194,14 @@ def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: b
                 f"{where} does not match this run's optimizer/state: '{key}' has shape {got} there but "
                 f"{tuple(value.shape)} here"
             )
-    extra = [k for k in saved if k not in flat and (is_model_key(k) or not weights_only)]
+    extra = [
+        k
+        for k in saved
+        if k not in flat
+        and k not in elsewhere
+        and _param_of_optimizer_key(k) not in elsewhere
+        and (is_model_key(k) or not weights_only)
+    ]
     extra_model = [k for k in extra if is_model_key(k)]
     if extra_model:
         raise CheckpointError(f"{where} holds another model: it has '{extra_model[0]}', which this model lacks")
@@ -192,13 +218,32 @@ def check_matches(path: str, ours: dict[str, Any], md: Metadata, weights_only: b
         raise CheckpointError(f"{where} does not match this run's optimizer/state: it {what}")
 
 
+def _model_key_order(key: str) -> tuple[int, int]:
+    """The whole model's order (embedding, blocks by id, norm, output; a stable sort keeps the module order inside
+    each), whichever rank holds a key: every rank of a pipeline reports the same first mismatch."""
+    head, _, rest = key.partition(".")
+    if head == "layers":
+        layer, _, _ = rest.partition(".")
+        return (1, int(layer) if layer.isdigit() else 0)
+    return ({"tok_embeddings": 0, "norm": 2, "output": 3}.get(head, 4), 0)
+
+
 class CheckpointManager:
     """Saves and loads `states` (model, optimizer, lr_scheduler, dataloader, train_state) under `folder`."""
 
-    def __init__(self, cfg: Checkpoint, folder: str, states: dict[str, Any], claim: FolderClaim | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        folder: str,
+        states: dict[str, Any],
+        claim: FolderClaim | None = None,
+        held_elsewhere: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         """`claim`: FolderClaim(folder) when the caller claimed the folder already (the Trainer does, before it
-        builds the model); otherwise it is claimed here: created, checked writable, locked."""
+        builds the model); otherwise it is claimed here: created, checked writable, locked. `held_elsewhere`: the
+        model keys other pipeline stages hold (their ranks save them; check_matches)."""
         self.cfg = cfg
+        self.held_elsewhere = dict(held_elsewhere or {})
         self.folder = folder
         self.states = states
         self.enabled = cfg.enable_checkpoint
@@ -375,7 +420,7 @@ class CheckpointManager:
         self._check_planned_saves(entries, 0 if weights_only else entry.step, last_step)
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
-        check_matches(path, sd, md, weights_only)
+        check_matches(path, sd, md, weights_only, self.held_elsewhere)
         load(sd, path, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +98,13 @@ def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_initial(source: InitialSource, model: nn.Module) -> None:
-    """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not)."""
+def load_initial(
+    source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None = None
+) -> None:
+    """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not, a pipeline
+    rank's stages: `held_elsewhere` names the weights other stages load)."""
     t0 = time.perf_counter()
+    elsewhere = dict(held_elsewhere or {})
     targets = _model_targets(model)
     where = f"{KEY} {source.path}"
     tied = source.args.tie_word_embeddings
@@ -110,16 +115,18 @@ def load_initial(source: InitialSource, model: nn.Module) -> None:
             if name == "output.weight" and tied:
                 continue  # a tied model's lm_head copy (some exports write it): HF ties it to the embedding
             target = targets.get(name)
-            if target is None:
+            if target is None and name not in elsewhere:
                 raise CheckpointError(f"{where} has weight '{name}', which this model lacks")
-            if tuple(full.shape) != tuple(target.shape):
-                raise CheckpointError(
-                    f"{where}: '{name}' has shape {tuple(full.shape)} there but {tuple(target.shape)} in this model"
-                )
-            check_loaded_state({name: full}, source.path, None, 0)  # whole tensors: every rank sees the same
-            _fill(target, full.to(target.device))
+            shape = tuple(target.shape) if target is not None else elsewhere[name]
+            if tuple(full.shape) != shape:
+                got = tuple(full.shape)
+                raise CheckpointError(f"{where}: '{name}' has shape {got} there but {shape} in this model")
+            # Whole tensors, those other stages load included: every rank checks the same and raises the same.
+            check_loaded_state({name: full}, source.path, None, 0)
+            if target is not None:
+                _fill(target, full.to(target.device))
             seen.add(name)
-        missing = sorted(set(targets) - seen - ({"output.weight"} if tied else set()))
+        missing = sorted((set(targets) | set(elsewhere)) - seen - ({"output.weight"} if tied else set()))
         if missing:
             raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
     else:
@@ -127,7 +134,7 @@ def load_initial(source: InitialSource, model: nn.Module) -> None:
         from trainer.components.checkpoint_reader import load
 
         md = read_metadata(source.path)
-        check_matches(source.path, targets, md, weights_only=True)
+        check_matches(source.path, targets, md, weights_only=True, held_elsewhere=elsewhere)
         load(targets, source.path, md)
         error = None
         try:

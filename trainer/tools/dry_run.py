@@ -18,6 +18,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -28,7 +29,9 @@ from kiln_base.config import (
     Float8,
     JobConfig,
     Parallelism,
+    PipelinePlan,
     Training,
+    check_pipeline,
     check_sequence_split,
     resolve_mixed_precision,
     training_bytes,
@@ -37,6 +40,7 @@ from kiln_base.internals import init_fake_process_group, unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import StagedModel
 from trainer.build import build_model, flops_line, model_args
 from trainer.components.initial_load import open_source
 
@@ -44,8 +48,13 @@ LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 specia
 
 
 def simulated_world_size(p: Parallelism) -> int:
-    shard = max(p.data_parallel_shard_degree, 1)
-    return p.data_parallel_replicate_degree * shard * p.context_parallel_degree * p.tensor_parallel_degree
+    return (
+        p.pipeline_parallel_degree
+        * p.data_parallel_replicate_degree
+        * max(p.data_parallel_shard_degree, 1)
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+    )
 
 
 def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
@@ -120,6 +129,7 @@ def memory_estimate(
     ac: ActivationCheckpoint,
     parallel_dims: ParallelDims,
     rotate_method: str = "allgather",
+    stage: StageShare | None = None,
 ) -> dict[str, int]:
     """Bytes per device: fp32 master params, fp32 grads, AdamW m+v (fp32), activations of one micro-batch, and
     with context parallelism the key/value buffers of one block's attention.
@@ -134,23 +144,53 @@ def memory_estimate(
     for backward (FSDP's unsharded params, autocast's casts), other transient buffers and allocator
     fragmentation: budget ~10-20% on top. On the debug model (seq 64, batch 2, bf16 autocast) the estimate
     is within 10% of the saved-activation report (no AC: 10.8 vs 10.1 MB; per-op SAC: 4.9 vs 5.0 MB).
+
+    Under pipeline parallelism (`stage`: a rank's share) `model` holds that rank's stages: its blocks and, on the
+    last stage's rank, the logits, for each micro-batch in flight (StageShare.in_flight).
     """
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     cp, tp = parallel_dims.cp, parallel_dims.tp
-    tokens = training.local_batch_size * training.seq_len // cp
     per_layer = _activation_elems_per_token_layer(args, ac) * 2 / tp
     logits = 6 * args.vocab_size / tp
+    if stage is None:
+        tokens, blocks, what = training.local_batch_size * training.seq_len // cp, args.n_layers, "one micro-batch"
+    else:
+        tokens, blocks = stage.microbatch_size * training.seq_len * stage.in_flight, stage.blocks
+        logits = logits if stage.has_output else 0
+        what = f"{stage.in_flight} pipeline micro-batch{'es' * (stage.in_flight > 1)} in flight"
     estimate = {
         "params (fp32)": 4 * local,
         "grads (fp32)": 4 * local,
         "optimizer (AdamW m+v fp32)": 8 * local,
-        "activations (one micro-batch)": int(tokens * (args.n_layers * per_layer + logits)),
+        f"activations ({what})": int(tokens * (blocks * per_layer + logits)),
     }
     if cp > 1:
         kv = 2 * args.dim // args.n_heads * (args.n_kv_heads or args.n_heads) // tp  # k and v elements per token
         held = cp if rotate_method == "allgather" else 2  # ranks' keys/values held at once
         estimate["CP key/value buffers (one block)"] = tokens * held * kv * (2 + 4)
     return estimate
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank holds, for the memory estimate: its blocks, whether it computes the logits, and the
+    micro-batches whose activations it keeps at once: every micro-batch of the step under GPipe (all forwards
+    first) and, as an upper bound, under the looped and V schedules; at most degree - rank under 1F1B (the first
+    rank keeps the most)."""
+
+    blocks: int
+    has_output: bool
+    microbatch_size: int
+    in_flight: int
+
+
+def stage_share(plan: PipelinePlan, pp_rank: int, microbatch_size: int) -> StageShare:
+    ids = plan.stage_ids(pp_rank)
+    blocks = sum(m.startswith("layers.") for i in ids for m in plan.stages[i])
+    in_flight = plan.microbatches
+    if plan.schedule == "1F1B":
+        in_flight = min(plan.microbatches, plan.degree - pp_rank)
+    return StageShare(blocks, any("output" in plan.stages[i] for i in ids), microbatch_size, in_flight)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -175,14 +215,18 @@ def dry_run(cfg: JobConfig) -> str:
             p.tensor_parallel_degree,
             world,
             cp=p.context_parallel_degree,
+            pp=p.pipeline_parallel_degree,
         )
         dims.build_mesh("cpu")
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
         converter = build_float8_converter(f8, p.tensor_parallel_degree)
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
-        built = build_model(cfg, model_args(cfg.model, t.seq_len, vocab, source), dims, converter)
-        model, args, plan = built.model, built.args, built.tp_plan
+        args = model_args(cfg.model, t.seq_len, vocab, source)
+        pipeline = check_pipeline(cfg, args.shape())
+        every_stage = None if pipeline is None else tuple(range(len(pipeline.stages)))  # plan them all
+        built = build_model(cfg, args, dims, converter, stage_ids=every_stage)
+        model, plan = built.model, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
         n_params = built.n_params
         float8_lines = _float8_lines(model, built.linear_fqns, f8, reasons)
@@ -192,40 +236,94 @@ def dry_run(cfg: JobConfig) -> str:
             f"(vocab {args.vocab_size}: {vocab_source})",
             f"parameters: {n_params:,}   seq {t.seq_len}   "
             + flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops),
-            f"simulated world: {world} = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+            f"simulated world: {world} = "
+            + ("" if pipeline is None else f"pp {dims.pp} x ")
+            + f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
             + (f" x cp {dims.cp}" if dims.cp_enabled else "")
             + f" x tp {dims.tp}",
             f"mesh: {dict(zip(dims.mesh.mesh_dim_names or (), dims.mesh.shape))}  (FSDP {on[dims.fsdp_enabled]}, "
-            f"HSDP {on[dims.dp_replicate_enabled]}, CP {on[dims.cp_enabled]}, TP {on[dims.tp_enabled]})",
+            f"HSDP {on[dims.dp_replicate_enabled]}, CP {on[dims.cp_enabled]}, TP {on[dims.tp_enabled]}, "
+            f"PP {on[dims.pp_enabled]})",
             *float8_lines,
             f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
             f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
             f"{t.mixed_precision_param}); master weights float32",
-            reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, "cuda"),
+            reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, "cuda", dims.pp),
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
             lines += [f"  {pat:<34} x{n:<4} {v}" for pat, v, n in sorted(_group(_tp_styles(model, plan)), key=_order)]
         lines += _cp_lines(dims, p, t.seq_len)
         lines += _ac_lines(ac)
-        mem = memory_estimate(model, args, t, ac, dims, p.context_parallel_rotate_method)
-        per_rank = f" / cp {dims.cp} = {t.seq_len // dims.cp} tokens" if dims.cp_enabled else ""
-        lines.append(f"memory per device (estimate; local batch {t.local_batch_size} x seq {t.seq_len}{per_rank}):")
-        unit, size = ("GiB", 2**30) if sum(mem.values()) >= 2**30 else ("MiB", 2**20)  # small models: MiB
-        lines += [f"  {k:<32} {v / size:9.2f} {unit}" for k, v in mem.items()]
-        lines.append(f"  {'total':<32} {sum(mem.values()) / size:9.2f} {unit}")
-        if t.memory_budget_gib is not None:
-            fits = sum(mem.values()) <= t.memory_budget_gib * 2**30
-            lines.append(f"  training.memory_budget_gib {t.memory_budget_gib:g}: {'fits' if fits else 'DOES NOT FIT'}")
-        state = training_bytes(args.shape(), dims.dp_shard * dims.cp * dims.tp)
+        if pipeline is None:
+            mem = memory_estimate(model, args, t, ac, dims, p.context_parallel_rotate_method)
+            per_rank = f" / cp {dims.cp} = {t.seq_len // dims.cp} tokens" if dims.cp_enabled else ""
+            lines.append(f"memory per device (estimate; local batch {t.local_batch_size} x seq {t.seq_len}{per_rank}):")
+            unit, size = ("GiB", 2**30) if sum(mem.values()) >= 2**30 else ("MiB", 2**20)  # small models: MiB
+            lines += [f"  {k:<32} {v / size:9.2f} {unit}" for k, v in mem.items()]
+            lines.append(f"  {'total':<32} {sum(mem.values()) / size:9.2f} {unit}")
+            if t.memory_budget_gib is not None:
+                fits = sum(mem.values()) <= t.memory_budget_gib * 2**30
+                lines.append(
+                    f"  training.memory_budget_gib {t.memory_budget_gib:g}: {'fits' if fits else 'DOES NOT FIT'}"
+                )
+        else:
+            lines += _pipeline_lines(built.parts, pipeline, args, t, ac, dims, p.pipeline_parallel_microbatch_size)
+        state = training_bytes(args.shape(), dims.dp_shard * dims.cp * dims.tp, pipeline)
+        whose = "a rank" if pipeline is None else "on the pipeline rank holding the most"
         lines.append(
-            f"  start-up check (not applied to a dry run): {state / 2**30:,.2f} GiB a rank of weights, gradients and "
-            "AdamW state must fit the rank's memory (host RAM on a CPU node, shared by its ranks; the GPU's)"
+            f"  start-up check (not applied to a dry run): {state / 2**30:,.2f} GiB of weights, gradients and AdamW "
+            f"state {whose} must fit the rank's memory (host RAM on a CPU node, shared by its ranks; the GPU's)"
         )
         lines.append(f"dry run took {time.perf_counter() - t0:.1f}s; nothing was allocated or trained")
         return "\n".join(lines)
     finally:
         dist.destroy_process_group()
+
+
+def _pipeline_lines(
+    parts: list[nn.Module],
+    pipeline: PipelinePlan,
+    args: ModelArgs,
+    t: Training,
+    ac: ActivationCheckpoint,
+    dims: ParallelDims,
+    microbatch_size: int,
+) -> list[str]:
+    """Each stage's modules and parameters, then each pipeline rank's stages and memory per device."""
+    n = len(pipeline.stages)
+    lines = [
+        f"pipeline: {pipeline.schedule}, {n} stages over pp {pipeline.degree} ({pipeline.stages_per_rank} per rank), "
+        f"{pipeline.microbatches} micro-batches of {microbatch_size} per local batch of {t.local_batch_size}",
+    ]
+    for i, (modules, part) in enumerate(zip(pipeline.stages, parts, strict=True)):
+        count = sum(p.numel() for p in part.parameters())  # the whole tensors' (a DTensor's numel is global)
+        lines.append(f"  stage {i:<3} rank {_rank_of(pipeline, i):<3} {count:>16,} params  {_modules(list(modules))}")
+    lines.append(f"memory per device by pipeline rank (estimate; seq {t.seq_len}, each pp rank's TP/FSDP share):")
+    for r in range(pipeline.degree):
+        ids = pipeline.stage_ids(r)
+        share = stage_share(pipeline, r, microbatch_size)
+        mem = memory_estimate(StagedModel([parts[i] for i in ids]), args, t, ac, dims, stage=share)
+        values = ", ".join(f"{k.split(' (')[0]} {v / 2**30:.2f}" for k, v in mem.items())
+        lines.append(
+            f"  pp rank {r:<3} stages {','.join(map(str, ids)):<8} {sum(mem.values()) / 2**30:9.2f} GiB "
+            f"({values} GiB; {share.in_flight} micro-batch{'es' * (share.in_flight > 1)} in flight)"
+        )
+    return lines
+
+
+def _rank_of(pipeline: PipelinePlan, stage: int) -> int:
+    return next(r for r in range(pipeline.degree) if stage in pipeline.stage_ids(r))
+
+
+def _modules(modules: list[str]) -> str:
+    """tok_embeddings, layers.0-15, norm, output: consecutive blocks as one range."""
+    blocks = [int(m.split(".")[1]) for m in modules if m.startswith("layers.")]
+    head = [m for m in modules if m == "tok_embeddings"]
+    tail = [m for m in modules if m in ("norm", "output")]
+    if blocks:
+        head.append(f"layers.{blocks[0]}" if len(blocks) == 1 else f"layers.{blocks[0]}-{blocks[-1]}")
+    return ", ".join(head + tail)
 
 
 def _unwrapped_name(name: str) -> str:

@@ -1,0 +1,62 @@
+"""The dry run plans a pipeline: every stage's modules and parameters, and each pipeline rank's memory."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kiln_base.config import parse_args
+from tests.helpers.common import DEBUG_CONFIG, ROOT
+from trainer.tools.dry_run import dry_run
+
+PP = "--parallelism.pipeline_parallel_"
+
+
+def _stage_params(plan: str) -> dict[int, tuple[int, int, str]]:
+    """stage -> (rank, parameters, modules), from the plan's stage lines."""
+    rows = re.findall(r"^  stage (\d+) +rank (\d+) +([\d,]+) params  (.*)$", plan, re.M)
+    return {int(s): (int(r), int(n.replace(",", "")), mods) for s, r, n, mods in rows}
+
+
+def test_debug_model_interleaved_over_fsdp_and_tp() -> None:
+    argv = ["--job.config_file", DEBUG_CONFIG, "--job.dry_run", f"{PP}degree", "2", f"{PP}schedule", "Interleaved1F1B"]
+    argv += ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    plan = dry_run(parse_args(argv))
+    assert "simulated world: 8 = pp 2 x dp_replicate 1 x dp_shard 2 x tp 2" in plan
+    assert (
+        "pipeline: Interleaved1F1B, 4 stages over pp 2 (2 per rank), 4 micro-batches of 1 per local batch of 4" in plan
+    )
+    stages = _stage_params(plan)
+    assert [(r, mods) for r, _, mods in stages.values()] == [
+        (0, "tok_embeddings, layers.0"),
+        (1, "layers.1-2"),
+        (0, "layers.3-4"),
+        (1, "layers.5, norm, output"),
+    ]
+    total = int(re.search(r"parameters: ([\d,]+)", plan).group(1).replace(",", ""))  # type: ignore[union-attr]
+    assert sum(n for _, n, _ in stages.values()) == total  # every parameter on exactly one stage
+    ranks = re.findall(r"^  pp rank (\d) +stages ([\d,]+) +([\d.]+) GiB", plan, re.M)
+    assert [(r, s) for r, s, _ in ranks] == [("0", "0,2"), ("1", "1,3")]
+
+
+@pytest.mark.slow
+def test_405b_on_4_nodes_of_8_gpus() -> None:
+    """torchtitan's 405B recipe (v0.2.2 TOML as shipped) with one stage per node: PP 4 x TP 8, 32 GPUs."""
+    config = str(ROOT / "tests" / "fixtures" / "torchtitan" / "v0.2.2" / "llama3_405b.toml")
+    argv = ["--job.config_file", config, "--job.dry_run", f"{PP}degree", "4", "--training.local_batch_size", "8"]
+    argv += ["--parallelism.data_parallel_shard_degree", "1", "--float8.no-enable_fsdp_float8_all_gather"]
+    argv += ["--float8.no-precompute_float8_dynamic_scale_for_fsdp"]
+    plan = dry_run(parse_args(argv))
+    assert "simulated world: 32 = pp 4 x dp_replicate 1 x dp_shard 1 x tp 8" in plan
+    stages = _stage_params(plan)
+    assert [mods for _, _, mods in stages.values()] == [
+        "tok_embeddings, layers.0-30",
+        "layers.31-62",
+        "layers.63-94",
+        "layers.95-125, norm, output",
+    ]
+    assert sum(n for _, n, _ in stages.values()) == 405_853_388_800
+    # fp32 weights, gradients and AdamW state of a quarter of the model over 8 TP ranks: ~190 GiB per GPU
+    ranks = [float(x) for x in re.findall(r"^  pp rank \d +stages \d +([\d.]+) GiB", plan, re.M)]
+    assert len(ranks) == 4 and all(185 < x < 200 for x in ranks), ranks
