@@ -296,13 +296,16 @@ class Transformer(nn.Module):
         token ids in `token_ids` (every stage of a pipeline sees the batch; parallelisms/pipeline.py) and builds
         the same mask from them.
         `positions` (seqlen,) int64: where in the sequence each token sits, when the tokens are not positions
-        0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them."""
+        0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them. A
+        pipeline hands them as (bs, seqlen) with equal rows (its schedule splits keyword inputs by rows)."""
         if attention_mask is None and self.model_args.attn_mask_type != "causal":
             if token_ids is None and self.tok_embeddings is None:
                 raise ValueError("a stage fed hidden states needs the batch's token_ids (document masking)")
             # Eager, once per forward, outside the (compiled) blocks: every block reuses it.
             attention_mask = self.attention_mask(token_ids if token_ids is not None else tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is not None and positions.dim() == 2:
+            positions = positions[0]
         freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
             h = layer(h, freqs_cis, attention_mask)

@@ -20,6 +20,10 @@ states. Every rank of a pipeline reads the same batches, so the schedule hands e
 ids as a keyword argument (torch splits keyword tensors into micro-batches like the inputs, and passes them to
 every stage), and each stage builds the micro-batch's mask from them (Transformer.forward's `token_ids`): the mask
 a single process builds for those rows.
+
+Context parallelism: each rank of a pipeline stage holds its CP part of every sequence (the Trainer shards the batch
+before the schedule, ContextParallel.shard_batch), and every stage is handed those tokens' positions the same way,
+by keyword, for RoPE; the blocks' attention exchanges keys and values over the CP group as without a pipeline.
 """
 
 from __future__ import annotations
@@ -123,10 +127,17 @@ class Pipeline:
         schedule = cls(stages if looped else stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
         return stages, schedule
 
-    def _inputs(self, inputs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-        """The schedule's positional inputs (the first stage's) and the keyword inputs every stage gets."""
+    def _inputs(
+        self, inputs: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """The schedule's positional inputs (the first stage's) and the keyword inputs every stage gets: the token
+        ids under a document mask; under context parallelism the positions of this rank's tokens, one row per
+        sequence (the schedule splits keyword tensors by rows, as it splits the inputs)."""
         args = (inputs,) if self.has_first else ()
-        return args, ({"token_ids": inputs} if self.document_masks else {})
+        kwargs = {"token_ids": inputs} if self.document_masks else {}
+        if positions is not None:
+            kwargs["positions"] = positions.expand(inputs.shape[0], -1)
+        return args, kwargs
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch, scaled so that the gradients sum to those of the mean. (At the
@@ -134,18 +145,24 @@ class Pipeline:
         are the micro-batches'.)"""
         return self.loss_fn(logits, labels, None) / self.scale
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, accumulation: int) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, accumulation: int, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward and backward of one local batch through every stage; the batch's mean loss on every rank of the
         pipeline (summed in from the last stage's rank: one scalar all-reduce over the pipeline group).
-        `accumulation`: the local batches whose gradients this optimizer step sums."""
+        `accumulation`: the local batches whose gradients this optimizer step sums. `positions`: under context
+        parallelism, where this rank's tokens sit in the sequence (its loss is then the mean over its tokens,
+        which is the sum over them divided by the sequence's tokens / cp: ContextParallel.shard_batch)."""
         self.scale = self.plan.microbatches * accumulation
-        args, kwargs = self._inputs(inputs)
+        args, kwargs = self._inputs(inputs, positions)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return self._summed(losses, accumulation)
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The forward and loss of one local batch through every stage, without backward (validation, under
         torch.no_grad): the batch's mean loss on every rank of the pipeline. It runs stages and a schedule of its
         own over the same stage models, one per micro-batch count (a validation batch may differ from a training
@@ -153,7 +170,7 @@ class Pipeline:
         n = inputs.shape[0] // self.microbatch_size
         if n not in self._eval:
             self._eval[n] = self._schedule(n, lambda logits, target: self.loss_fn(logits, target, None) / n)[1]
-        args, kwargs = self._inputs(inputs)
+        args, kwargs = self._inputs(inputs, positions)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None
         self._eval[n].eval(*args, target=target, losses=losses, **kwargs)

@@ -213,8 +213,9 @@ class Trainer:
         holds torch.no_grad): the mean loss over this rank's tokens (under pipeline parallelism, through every stage:
         on every rank of the pipeline)."""
         if self.pipeline is not None:
+            batch = self.local_batch(inputs, labels)
             with self.amp, self.loss_context():
-                return self.pipeline.evaluate(inputs, labels)
+                return self.pipeline.evaluate(batch.inputs, batch.labels, batch.positions)
         with self.loss_context():
             loss = self.forward_loss(inputs, labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -268,8 +269,9 @@ class Trainer:
             # Tokens this rank computes: a context-parallel rank, its 1/cp of each sequence.
             tokens, data_time = tokens + inputs.numel() // self.parallel_dims.cp, data_time + time.perf_counter() - t0
             if self.pipeline is not None:  # every micro-batch through every stage; the loss on every stage's rank
+                batch = self.local_batch(inputs, labels)
                 with self.amp, self.loss_context():
-                    loss_sum += self.pipeline.step(inputs, labels, self.grad_accum_steps)
+                    loss_sum += self.pipeline.step(batch.inputs, batch.labels, self.grad_accum_steps, batch.positions)
             else:
                 loss_sum += self.forward_backward(inputs, labels)
         # Once per step, not per micro-batch (the ETA counts steps). A pipeline's ranks share its tokens: each counts

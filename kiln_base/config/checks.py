@@ -171,12 +171,6 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
     """What pipelining cannot be combined with, and its micro-batches (the split needs the model's shape:
     check_pipeline)."""
     p = cfg.parallelism
-    if p.context_parallel_degree > 1:
-        raise ConfigError(
-            f"{PP}degree {p.pipeline_parallel_degree} with parallelism.context_parallel_degree "
-            f"{p.context_parallel_degree}: kiln's pipeline stages do not take a context-parallel rank's part of the "
-            "sequence yet; use one of the two (set the other to 1)"
-        )
     check_microbatches(p, cfg.training.local_batch_size)
     if cfg.validation.enable:  # validation runs through the pipeline too, in micro-batches of the same size
         check_microbatches(p, validation_shape(cfg.validation, cfg.training)[0], "validation.local_batch_size")

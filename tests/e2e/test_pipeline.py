@@ -26,13 +26,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from kiln_base.config import PP_SCHEDULES
 from kiln_base.errors import CheckpointError, TrainingStopped
 from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from tests.helpers.common import DEBUG_CONFIG, ROOT, LogLines, open_trainer
 from tests.helpers.distributed import reopen_group, run_distributed
+from tests.helpers.grads import GradsAtStep1
 from trainer.hooks import StepHook, StepOutput
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -50,19 +50,6 @@ PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 # torch 2.11 cannot start the V schedule on gloo (kiln refuses it there: kiln_base/config/checks.py
 # check_pipeline_device); the oldest-torch leg runs the others.
 SCHEDULES = [s for s in PP_SCHEDULES if PP_SCHEDULES[s] != "v" or not pipeline_warmup_sends_to_own_rank()]
-
-
-class GradsAtStep1(StepHook):
-    """Each parameter's gradient after step 1 (clipped, as the optimizer used it), whole, by name."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.grads = model, {}
-
-    def post_step(self, out: StepOutput) -> None:
-        if out.step == 1:
-            for name, p in self.model.named_parameters():
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                self.grads[name] = g.detach().clone()
 
 
 class SigtermAt(StepHook):

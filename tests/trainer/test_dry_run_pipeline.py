@@ -60,3 +60,23 @@ def test_405b_on_4_nodes_of_8_gpus() -> None:
     # fp32 weights, gradients and AdamW state of a quarter of the model over 8 TP ranks: ~190 GiB per GPU
     ranks = [float(x) for x in re.findall(r"^  pp rank \d +stages \d +([\d.]+) GiB", plan, re.M)]
     assert len(ranks) == 4 and all(185 < x < 200 for x in ranks), ranks
+
+
+def test_pipeline_with_context_parallel_plans_a_cp_rank_s_part_per_stage() -> None:
+    """PP x CP: the mesh has both; each pipeline rank's activations are its micro-batches in flight of a CP rank's
+    part of the sequence, and the CP key/value buffers are one micro-batch's, whatever is in flight."""
+    cfg = parse_args(
+        ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--job.dry_run"]
+        + ["--model.flavor", "3.1-8B", "--training.seq_len", "131072", "--training.local_batch_size", "4"]
+        + ["--parallelism.context_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "4"]
+        + ["--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "full"]
+    )
+    plan = dry_run(cfg)
+    assert "simulated world: 32 = pp 4 x dp_replicate 1 x dp_shard 1 x cp 8 x tp 1" in plan
+    assert "(FSDP on, HSDP off, CP on, TP off, PP on)" in plan
+    ranks = [line for line in plan.splitlines() if line.strip().startswith("pp rank")]
+    assert len(ranks) == 4
+    kv = {re.search(r"CP key/value buffers ([\d.]+)", line)[1] for line in ranks}  # type: ignore[index]
+    assert kv == {"1.50"}  # 16,384 tokens x 8 ranks' keys/values (allgather), one block, one micro-batch
+    in_flight = [int(re.search(r"(\d+) micro-batch", line)[1]) for line in ranks]  # type: ignore[index]
+    assert in_flight == [4, 3, 2, 1]  # 1F1B: degree - rank, of 4 micro-batches

@@ -154,8 +154,10 @@ def memory_estimate(
     logits = 6 * args.vocab_size / tp
     if stage is None:
         tokens, blocks, what = training.local_batch_size * training.seq_len // cp, args.n_layers, "one micro-batch"
+        running = tokens  # the micro-batch a block's attention runs on
     else:
-        tokens, blocks = stage.microbatch_size * training.seq_len * stage.in_flight, stage.blocks
+        running = stage.microbatch_size * training.seq_len // cp
+        tokens, blocks = running * stage.in_flight, stage.blocks
         logits = logits if stage.has_output else 0
         what = f"{stage.in_flight} pipeline micro-batch{'es' * (stage.in_flight > 1)} in flight"
     estimate = {
@@ -167,7 +169,7 @@ def memory_estimate(
     if cp > 1:
         kv = 2 * args.dim // args.n_heads * (args.n_kv_heads or args.n_heads) // tp  # k and v elements per token
         held = cp if rotate_method == "allgather" else 2  # ranks' keys/values held at once
-        estimate["CP key/value buffers (one block)"] = tokens * held * kv * (2 + 4)
+        estimate["CP key/value buffers (one block)"] = running * held * kv * (2 + 4)
     return estimate
 
 
