@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kiln_base.config import (
     CPU_BF16_COST,
     JobConfig,
+    Training,
     check_memory_budget,
     grad_accum_steps,
     resolve_mixed_precision,
@@ -28,13 +29,14 @@ from kiln_base.config import (
 from kiln_base.errors import CheckpointError
 from parallelisms.context_parallel import build_context_parallel
 from parallelisms.grad_reduce import reduction_line
+from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import loss_parallel_enabled
 from parallelisms.pipeline import clip_grad_norm_
 from trainer import build
 from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.dist import PeerWatch, set_determinism
-from trainer.components.initial_load import load_initial, open_source
+from trainer.components.initial_load import InitialSource, load_initial, open_source
 from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
@@ -81,6 +83,51 @@ def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_typ
     )
 
 
+def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str) -> None:
+    """The start-up lines on the model: shape, parameters, FLOPs per token (both conventions), how it attends."""
+    args = built.args
+    flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
+    logger.info(
+        f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
+        f"{args.vocab_size}, seq {cfg.training.seq_len}; {flops}"
+    )
+    log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type)
+
+
+def check_budget(cfg: JobConfig, built: build.BuiltModel, dims: ParallelDims) -> None:
+    """training.memory_budget_gib against the dry run's estimate of this rank's part (a pipeline rank: its stages'
+    blocks and the micro-batches its schedule keeps in flight), before any weight is allocated."""
+    p, plan = cfg.parallelism, built.pipeline
+    stage = (
+        None if plan is None else stage_share(plan, dims.pp_mesh.get_local_rank(), p.pipeline_parallel_microbatch_size)
+    )
+    ac, rotate = cfg.activation_checkpoint, p.context_parallel_rotate_method
+    check_memory_budget(cfg, memory_estimate(built.model, built.args, cfg.training, ac, dims, rotate, stage=stage))
+
+
+def compute_precision(
+    t: Training, dims: ParallelDims, device_type: str
+) -> tuple[str, contextlib.AbstractContextManager]:
+    """The compute dtype and the autocast that gives it (without FSDP's MixedPrecisionPolicy, autocast gives bf16
+    compute over fp32 master weights); logs it and every gradient reduction's precision."""
+    precision = resolve_mixed_precision(t.mixed_precision_param, device_type)
+    log_precision(t.mixed_precision_param, precision, device_type)
+    logger.info(reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, device_type, dims.pp))
+    autocast = not dims.fully_shard_enabled and precision == "bfloat16"  # FSDP above shards over dp_shard x cp
+    amp = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    return precision, amp
+
+
+def metrics_logger(
+    cfg: JobConfig, device: torch.device, flops_per_token: float, float8: bool
+) -> tuple[bool, MetricsLogger]:
+    """Whether this rank logs (LOG_RANK), and its step-line logger with the scalar writers (TensorBoard, W&B)."""
+    log_ranks = os.environ.get("LOG_RANK", "0").split(",")
+    logging_rank = str(dist.get_rank()) in log_ranks
+    writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
+    return logging_rank, MetricsLogger(cfg.metrics, device, flops_per_token, writer, logging_rank, float8)
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
@@ -119,30 +166,10 @@ class Trainer:
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
-        p, d = cfg.parallelism, self.parallel_dims
-        # A pipeline rank: its stages' blocks, and the micro-batches its schedule keeps in flight.
-        mbs, plan = p.pipeline_parallel_microbatch_size, built.pipeline
-        stage = None if plan is None else stage_share(plan, d.pp_mesh.get_local_rank(), mbs)
-        rotate = p.context_parallel_rotate_method
-        estimate = memory_estimate(self.model, args, t, cfg.activation_checkpoint, d, rotate, stage=stage)
-        check_memory_budget(cfg, estimate)  # training.memory_budget_gib, before any weight is allocated
-        flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
-        logger.info(
-            f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
-            f"{args.vocab_size}, seq {t.seq_len}; {flops}"
-        )
-        log_attention(args.attn_type, args.attn_mask_type, args.bos_id, self.device.type)
+        check_budget(cfg, built, self.parallel_dims)
+        log_model(cfg, built, self.device.type)
         build.materialize(built.parts, self.device, build.init_seed(t.seed))
-        # Without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute over fp32 master weights.
-        self.precision = resolve_mixed_precision(t.mixed_precision_param, self.device.type)
-        log_precision(t.mixed_precision_param, self.precision, self.device.type)
-        # FSDP shards over dp_shard x cp
-        logger.info(reduction_line(t, d.dp_replicate, d.dp_shard * d.cp, d.tp, self.device.type, d.pp))
-        self.amp = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if not self.parallel_dims.fully_shard_enabled and self.precision == "bfloat16"
-            else contextlib.nullcontext()
-        )
+        self.precision, self.amp = compute_precision(t, self.parallel_dims, self.device.type)
         self.cp = build_context_parallel(self.parallel_dims, cfg.parallelism)  # each rank's part of a sequence
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
@@ -164,24 +191,26 @@ class Trainer:
             "train_state": self,
         }
         self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states, built.held_elsewhere)
-        self.step = self.checkpointer.load(last_step=t.steps)  # a full checkpoint also checks self.settings
-        if source is not None and self.checkpointer.loaded is None:  # nothing of this run's to resume
-            load_initial(source, self.model, built.held_elsewhere)
-        elif self.checkpointer.loaded is None:
-            logger.info("Training from scratch (freshly initialised weights)")
-        if self.step > 0:
-            old_lr, new_lr = apply_config_hyperparameters(self.optimizer, self.lr_scheduler)
-            if old_lr != new_lr:
-                logger.warning(f"lr of step {self.step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
+        self.step = self._resume_or_start(source, built.held_elsewhere, t.steps)
         self.nan_guard = NonFiniteGuard(self.device)
-
-        log_ranks = os.environ.get("LOG_RANK", "0").split(",")
-        self.is_logging_rank = str(dist.get_rank()) in log_ranks
-        writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
-        self.metrics = MetricsLogger(
-            cfg.metrics, self.device, self.flops_per_token, writer, self.is_logging_rank, self.float8 is not None
+        self.is_logging_rank, self.metrics = metrics_logger(
+            cfg, self.device, self.flops_per_token, self.float8 is not None
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
+
+    def _resume_or_start(self, source: InitialSource | None, held_elsewhere: dict, last_step: int) -> int:
+        """The step to start after: this run's latest checkpoint (a full one also checks self.settings; a changed lr
+        is warned about), else checkpoint.initial_load_path's weights, else freshly initialised weights (0)."""
+        step = self.checkpointer.load(last_step=last_step)
+        if source is not None and self.checkpointer.loaded is None:  # nothing of this run's to resume
+            load_initial(source, self.model, held_elsewhere)
+        elif self.checkpointer.loaded is None:
+            logger.info("Training from scratch (freshly initialised weights)")
+        if step > 0:
+            old_lr, new_lr = apply_config_hyperparameters(self.optimizer, self.lr_scheduler)
+            if old_lr != new_lr:
+                logger.warning(f"lr of step {step + 1}: {new_lr:.4g} (this run's schedule; saved: {old_lr:.4g})")
+        return step
 
     # train_state for checkpoints: the step counter, and the settings a resume is checked against (JSON text).
     def state_dict(self) -> dict[str, int | str]:
