@@ -674,3 +674,18 @@ def pipeline_warmup_sends_to_own_rank() -> bool:
     from torch.distributed.pipelining import schedules
 
     return not hasattr(schedules._PipelineSchedule, "_warmup_p2p")
+
+
+def forward_only_schedule(schedule: Any) -> None:
+    """Drop the backward actions (and their sends, receives and gradient reductions) from a runtime pipeline
+    schedule's lowered plan (torch's _PipelineScheduleRuntime), for `eval()`. torch's eval of the V schedule runs
+    its backward actions with backward off, and a stage whose previous stage is on the same rank then asserts
+    "can't steal_bwd_input if this stage doesn't have backward" (torch 2.13). Removing actions only removes waits:
+    the forward order stays as torch planned it. Checked on torch 2.13.0."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    backward = {C.FULL_BACKWARD, C.BACKWARD_INPUT, C.BACKWARD_WEIGHT, C.SEND_B, C.RECV_B, C.REDUCE_GRAD}
+    schedule.pipeline_order_with_comms = {
+        rank: [a for a in actions if a.computation_type not in backward]
+        for rank, actions in schedule.pipeline_order_with_comms.items()
+    }

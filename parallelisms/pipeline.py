@@ -41,6 +41,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from torch.distributed.tensor import DTensor
 
 from kiln_base.config import PipelinePlan
+from kiln_base.internals import forward_only_schedule
 
 if TYPE_CHECKING:
     from models import Transformer
@@ -169,7 +170,10 @@ class Pipeline:
         batch in rows and length; the training stages keep the buffers made for theirs)."""
         n = inputs.shape[0] // self.microbatch_size
         if n not in self._eval:
-            self._eval[n] = self._schedule(n, lambda logits, target: self.loss_fn(logits, target, None) / n)[1]
+            schedule = self._schedule(n, lambda logits, target: self.loss_fn(logits, target, None) / n)[1]
+            if self.plan.schedule == "ZBVZeroBubble":
+                forward_only_schedule(schedule)
+            self._eval[n] = schedule
         args, kwargs = self._inputs(inputs, positions)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None

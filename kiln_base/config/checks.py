@@ -179,13 +179,15 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
             f"{PP}schedule {p.pipeline_parallel_schedule} splits each backward into input and weight gradients, "
             "which torch does not run on compiled stages; drop --training.compile or use Interleaved1F1B"
         )
-    f8, tokens = cfg.float8, p.pipeline_parallel_microbatch_size * cfg.training.seq_len
+    # A context-parallel rank's micro-batch holds 1/cp of each sequence: its Linears see mbs x seq_len / cp tokens.
+    cp = p.context_parallel_degree
+    f8, tokens = cfg.float8, p.pipeline_parallel_microbatch_size * cfg.training.seq_len // cp
     block = f8.block_size  # MXFP8 and NVFP4 scale the weight-gradient GEMM's tokens in blocks
     if f8.enable_float8_linear and block is not None and tokens % block:
+        per_rank = f"{PP}microbatch_size x training.seq_len" + (f" / context_parallel_degree ({cp})" if cp > 1 else "")
         raise ConfigError(
             f"float8.recipe_name {f8.recipe}: the weight-gradient GEMM scales blocks of {block} tokens of each "
-            f"pipeline micro-batch, but {PP}microbatch_size x training.seq_len = {tokens}; make it a multiple of "
-            f"{block}"
+            f"pipeline micro-batch, but {per_rank} = {tokens}; make it a multiple of {block}"
         )
     ac = cfg.activation_checkpoint
     if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and ac.mode == "selective" and ac.selective_ac_option == "op":

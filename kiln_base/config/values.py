@@ -96,11 +96,14 @@ def set_value(cfg: JobConfig, section: str, key: str, raw: Any, where: str, toml
     """Convert `raw` to section.key's type, check its choices, set it."""
     obj, tp = lookup(cfg, section, key, where)
     value = convert(raw, tp, where, toml)
-    check_choice(value, next(f.metadata.get("choices") for f in fields(obj) if f.name == key), where)
+    choices = next(f.metadata.get("choices") for f in fields(obj) if f.name == key)
+    check_choice(value, choices, where, optional=type(None) in typing.get_args(tp))
     setattr(obj, key, value)
 
 
-def check_choice(value: Any, choices: tuple[str, ...] | None, where: str) -> None:
-    """A value of an enumerated key must be one of its choices (None, an unset optional key, is not checked)."""
+def check_choice(value: Any, choices: tuple[str, ...] | None, where: str, optional: bool = False) -> None:
+    """A value of an enumerated key must be one of its choices (None, an unset optional key, is not checked;
+    `optional`: the key also takes none, which the message then lists)."""
     if choices and value is not None and value not in choices:
-        raise ConfigError(f"{where}: '{value}' is not a valid choice; choose from {', '.join(choices)}")
+        unset = " (or none)" if optional else ""
+        raise ConfigError(f"{where}: '{value}' is not a valid choice; choose from {', '.join(choices)}{unset}")

@@ -1,6 +1,6 @@
 """Validation in every layout: the same weights give the same validation loss on 1 rank, FSDP 2, TP 2 and PP 2
-(1F1B, Interleaved1F1B, InterleavedZeroBubble), causal and block-causal, and every layout puts it in the step line
-(and TensorBoard).
+(1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble), causal and block-causal, and every layout puts it in
+the step line (and TensorBoard).
 
 Every run starts from one set of weights, whatever the init does: a one-process run saves a checkpoint, and each
 layout loads it through `checkpoint.initial_load_path`. Each then trains one step at lr 1e-12 (a change of ~1e-12 per
@@ -44,6 +44,10 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (world size, argu
     "pp2_zero_bubble": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}pipeline_parallel_degree", "2",
                             f"{P}pipeline_parallel_schedule", "InterleavedZeroBubble",
                             "--training.local_batch_size", "4", "--validation.local_batch_size", "4")),
+    # The V schedule validates through its forward actions only (kiln_base.internals.forward_only_schedule).
+    "pp2_zbv": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}pipeline_parallel_degree", "2",
+                    f"{P}pipeline_parallel_schedule", "ZBVZeroBubble",
+                    "--training.local_batch_size", "4", "--validation.local_batch_size", "4")),
 }  # fmt: skip
 ATTENTION = {"causal": (), "block_causal": ("--model.flavor", "debugmodel_flex_attn")}
 

@@ -68,6 +68,10 @@ BAD_INPUTS = [
     (["--training.compile", "maybe"], "--training.compile: expected true or false, got 'maybe'"),
     (["--float8.recipe_name", "rowwize"], "'rowwize' is not a valid choice; choose from tensorwise, rowwise"),
     (["--activation_checkpoint.mode", "some"], "'some' is not a valid choice; choose from none, selective, full"),
+    (  # an optional key's none (one contiguous chunk per rank) is a choice too
+        ["--parallelism.context_parallel_load_balancer", "zigzag"],
+        "'zigzag' is not a valid choice; choose from headtail (or none)",
+    ),
     (["--job.config_file", "missing.toml"], "config file not found: missing.toml"),
     (["--model.tokenizer_path", "/nonexistent/tokenizer.model"], "model.tokenizer_path: file not found"),
     (["--training.dataset_path", "/nonexistent/data.jsonl"], "training.dataset_path: not found: /nonexistent"),

@@ -172,6 +172,12 @@ LAUNCHER_MISTAKES = [
         2,
         "microbatch_size x training.seq_len = 24; make it a multiple of 16",
     ),
+    (  # a context-parallel rank's micro-batch holds seq_len / cp tokens of each sequence: 1 x 64 / 4 = 16
+        [f"{PP}degree", "2", "--parallelism.context_parallel_degree", "4", "--float8.enable_float8_linear"]
+        + ["--float8.recipe_name", "mxfp8_rceil", "--float8.emulate", "--training.seq_len", "64"],
+        8,
+        "microbatch_size x training.seq_len / context_parallel_degree (4) = 16; make it a multiple of 32",
+    ),
     (  # validation runs through the pipeline's schedule too: its batch splits into micro-batches the same way
         [f"{PP}degree", "2", "--validation.enable", "--validation.local_batch_size", "1"],
         2,

@@ -80,3 +80,8 @@ def test_pipeline_with_context_parallel_plans_a_cp_rank_s_part_per_stage() -> No
     assert kv == {"1.50"}  # 16,384 tokens x 8 ranks' keys/values (allgather), one block, one micro-batch
     in_flight = [int(re.search(r"(\d+) micro-batch", line)[1]) for line in ranks]  # type: ignore[index]
     assert in_flight == [4, 3, 2, 1]  # 1F1B: degree - rank, of 4 micro-batches
+    # alltoall passes the ring's keys/values a peer at a time: what a run's memory_estimate counts for it (trainer.py)
+    cfg.parallelism.context_parallel_rotate_method = "alltoall"
+    alltoall = [line for line in dry_run(cfg).splitlines() if line.strip().startswith("pp rank")]
+    kv = {re.search(r"CP key/value buffers ([\d.]+)", line)[1] for line in alltoall}  # type: ignore[index]
+    assert len(kv) == 1 and float(kv.pop()) < 1.50, alltoall

@@ -270,7 +270,7 @@ def dry_run(cfg: JobConfig) -> str:
                     f"  training.memory_budget_gib {t.memory_budget_gib:g}: {'fits' if fits else 'DOES NOT FIT'}"
                 )
         else:
-            lines += _pipeline_lines(built.parts, pipeline, args, t, ac, dims, p.pipeline_parallel_microbatch_size)
+            lines += _pipeline_lines(built.parts, pipeline, args, t, ac, dims, p)
         state = training_bytes(args.shape(), dims.dp_shard * dims.cp * dims.tp, pipeline)
         whose = "a rank" if pipeline is None else "on the pipeline rank holding the most"
         lines.append(
@@ -290,10 +290,11 @@ def _pipeline_lines(
     t: Training,
     ac: ActivationCheckpoint,
     dims: ParallelDims,
-    microbatch_size: int,
+    p: Parallelism,
 ) -> list[str]:
-    """Each stage's modules and parameters, then each pipeline rank's stages and memory per device."""
-    n = len(pipeline.stages)
+    """Each stage's modules and parameters, then each pipeline rank's stages and memory per device (under CP with
+    the key/value buffers of p's rotate method, as a run counts them)."""
+    n, microbatch_size = len(pipeline.stages), p.pipeline_parallel_microbatch_size
     lines = [
         f"pipeline: {pipeline.schedule}, {n} stages over pp {pipeline.degree} ({pipeline.stages_per_rank} per rank), "
         f"{pipeline.microbatches} micro-batches of {microbatch_size} per local batch of {t.local_batch_size}",
@@ -305,7 +306,8 @@ def _pipeline_lines(
     for r in range(pipeline.degree):
         ids = pipeline.stage_ids(r)
         share = stage_share(pipeline, r, microbatch_size)
-        mem = memory_estimate(StagedModel([parts[i] for i in ids]), args, t, ac, dims, stage=share)
+        rotate = p.context_parallel_rotate_method
+        mem = memory_estimate(StagedModel([parts[i] for i in ids]), args, t, ac, dims, rotate, stage=share)
         values = ", ".join(f"{k.split(' (')[0]} {v / 2**30:.2f}" for k, v in mem.items())
         lines.append(
             f"  pp rank {r:<3} stages {','.join(map(str, ids)):<8} {sum(mem.values()) / 2**30:9.2f} GiB "
