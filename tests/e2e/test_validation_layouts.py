@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from tests.helpers.common import DEBUG_CONFIG, LogLines, run_trainer
 from tests.helpers.distributed import run_distributed, train_in_group
 
@@ -49,6 +50,8 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (world size, argu
                     f"{P}pipeline_parallel_schedule", "ZBVZeroBubble",
                     "--training.local_batch_size", "4", "--validation.local_batch_size", "4")),
 }  # fmt: skip
+if pipeline_warmup_sends_to_own_rank():  # torch 2.11: the V schedule cannot start on gloo (kiln refuses it on a CPU)
+    del LAYOUTS["pp2_zbv"]
 ATTENTION = {"causal": (), "block_causal": ("--model.flavor", "debugmodel_flex_attn")}
 
 

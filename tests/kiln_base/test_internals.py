@@ -690,6 +690,11 @@ def _v_schedule_eval_on_gloo() -> list[str]:
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(
+    internals.pipeline_warmup_sends_to_own_rank(),
+    reason="this torch (2.11) starts the V schedule by sending from a rank to itself, which gloo cannot: kiln refuses "
+    "ZBVZeroBubble on a CPU there (test_pipeline_warmup_sends_to_own_rank)",
+)
 def test_forward_only_schedule_lets_the_v_schedule_evaluate() -> None:
     """torch's eval() of the V schedule asserts on the rank holding two neighbouring stages (validation under
     ZBVZeroBubble, parallelisms/pipeline.py); without its backward actions it runs forward only, with one process's
