@@ -576,9 +576,9 @@ def check_memory_budget(cfg: JobConfig, estimate: Mapping[str, int]) -> None:
     p = cfg.parallelism
     raise ConfigError(
         f"training.memory_budget_gib {budget:g}: this rank would need about {total / gib:.3g} GiB ({parts}); "
-        f"raise parallelism.context_parallel_degree ({p.context_parallel_degree}) or data_parallel_shard_degree, "
-        "checkpoint more activations (activation_checkpoint.mode) or shorten training.seq_len "
-        f"({cfg.training.seq_len})"
+        f"raise parallelism.context_parallel_degree ({p.context_parallel_degree}), data_parallel_shard_degree or "
+        f"pipeline_parallel_degree ({p.pipeline_parallel_degree}), checkpoint more activations "
+        f"(activation_checkpoint.mode) or shorten training.seq_len ({cfg.training.seq_len})"
     )
 
 
@@ -673,7 +673,8 @@ def _check_model_parts(parts: list[list[str]], n_layers: int) -> list[list[str]]
         wrong = wrong or (f"{len(flat)} modules for {len(whole)}")
         raise ConfigError(
             f"{key}: the stages must list tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output once each, "
-            f"in this order (the model has {n_layers} blocks); found {wrong}"
+            f"in this order (the model has {n_layers} blocks); found {wrong} (on the command line: modules by ',', "
+            "stages by ';', e.g. tok_embeddings,layers.0;layers.1,norm,output)"
         )
     return parts
 
@@ -694,8 +695,9 @@ def check_microbatches(p: Parallelism, local_batch_size: int, key: str = "traini
     rounds = max(1, n // degree)
     if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
         raise ConfigError(
-            f"{PP}schedule {name} runs micro-batches in rounds of {degree} (the degree): {have}, not a multiple of "
-            f"the {rounds} rounds; use a multiple of {degree}, or fewer than {2 * degree}"
+            f"{PP}schedule {name} splits a batch's micro-batches into max(1, micro-batches // degree {degree}) = "
+            f"{rounds} equal rounds (torch's rule): {have}, which {rounds} does not divide; use a multiple of "
+            f"{degree}, or fewer than {2 * degree}"
         )
     return n
 

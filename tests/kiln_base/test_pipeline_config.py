@@ -101,6 +101,11 @@ SPLIT_MISTAKES = [
         "split_points and parallelism.pipeline_parallel_layers_per_stage each say how to split the model",
     ),
     ({"module_fqns_per_model_part": [[E, "layers.1"], ["layers.0", *N]]}, 2, "found 'layers.1' where 'layers.0'"),
+    (  # a TOML list pasted on the command line: the message shows that syntax
+        {"module_fqns_per_model_part": [['[["tok_embeddings"', "layers.0"], ["layers.1", *N]]},
+        2,
+        "stages by ';', e.g. tok_embeddings,layers.0;layers.1,norm,output",
+    ),
     ({"module_fqns_per_model_part": [[E, "layers.0"], []]}, 1, "stage 1 lists no module"),
     ({"pipeline_parallel_microbatch_size": 3}, 6, "local_batch_size (4) must be a multiple of parallelism.pipeline_"),
 ]
@@ -120,7 +125,8 @@ def test_microbatch_rules_of_the_schedules() -> None:
     p.pipeline_parallel_schedule = "GPipe"
     assert pipeline_plan(p, 2, 8).microbatches == 2  # GPipe takes fewer micro-batches than stages
     p = Parallelism(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B")
-    with pytest.raises(ConfigError, match=r"rounds of 2 .* 5 micro-batches, not a multiple of the 2 rounds"):
+    rounds = r"// degree 2\) = 2 equal rounds \(torch's rule\): .* 5 micro-batches, which 2 does not divide"
+    with pytest.raises(ConfigError, match=rounds):
         pipeline_plan(p, 5, 6)
     assert pipeline_plan(p, 3, 6).microbatches == 3  # one round: fewer than 2 x degree is fine
 

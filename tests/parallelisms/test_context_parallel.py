@@ -197,7 +197,7 @@ def test_a_sequence_over_one_ranks_memory_budget_trains_with_cp(
     assert train.main([*LONG, "--job.dump_folder", str(tmp_path)]) == 2
     (line,) = capfd.readouterr().err.strip().splitlines()
     assert line.startswith("kiln: error: training.memory_budget_gib 0.12: this rank would need about 0.18"), line
-    assert "raise parallelism.context_parallel_degree (1)" in line, line
+    assert "raise parallelism.context_parallel_degree (1)" in line and "pipeline_parallel_degree (1)" in line, line
     losses = cp_runs(world)["long"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
 

@@ -85,3 +85,16 @@ def test_pipeline_with_context_parallel_plans_a_cp_rank_s_part_per_stage() -> No
     alltoall = [line for line in dry_run(cfg).splitlines() if line.strip().startswith("pp rank")]
     kv = {re.search(r"CP key/value buffers ([\d.]+)", line)[1] for line in alltoall}  # type: ignore[index]
     assert len(kv) == 1 and float(kv.pop()) < 1.50, alltoall
+
+
+@pytest.mark.parametrize(("budget", "verdict"), [("20", "fits"), ("10", "DOES NOT FIT")])
+def test_pipeline_dry_run_gives_the_memory_budget_verdict_of_its_busiest_rank(budget: str, verdict: str) -> None:
+    cfg = parse_args(
+        ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--job.dry_run"]
+        + ["--model.flavor", "3.1-8B", "--training.seq_len", "131072", "--training.local_batch_size", "4"]
+        + ["--parallelism.context_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "4"]
+        + ["--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "full"]
+        + ["--training.memory_budget_gib", budget]
+    )
+    line = next(x for x in dry_run(cfg).splitlines() if "training.memory_budget_gib" in x)
+    assert line.strip() == f"training.memory_budget_gib {budget}: {verdict} (pipeline rank 3 needs the most, 17.94 GiB)"

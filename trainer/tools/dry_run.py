@@ -303,15 +303,24 @@ def _pipeline_lines(
         count = sum(p.numel() for p in part.parameters())  # the whole tensors' (a DTensor's numel is global)
         lines.append(f"  stage {i:<3} rank {_rank_of(pipeline, i):<3} {count:>16,} params  {_modules(list(modules))}")
     lines.append(f"memory per device by pipeline rank (estimate; seq {t.seq_len}, each pp rank's TP/FSDP share):")
+    totals = []
     for r in range(pipeline.degree):
         ids = pipeline.stage_ids(r)
         share = stage_share(pipeline, r, microbatch_size)
         rotate = p.context_parallel_rotate_method
         mem = memory_estimate(StagedModel([parts[i] for i in ids]), args, t, ac, dims, rotate, stage=share)
+        totals.append(sum(mem.values()))
         values = ", ".join(f"{k.split(' (')[0]} {v / 2**30:.2f}" for k, v in mem.items())
         lines.append(
-            f"  pp rank {r:<3} stages {','.join(map(str, ids)):<8} {sum(mem.values()) / 2**30:9.2f} GiB "
+            f"  pp rank {r:<3} stages {','.join(map(str, ids)):<8} {totals[-1] / 2**30:9.2f} GiB "
             f"({values} GiB; {share.in_flight} micro-batch{'es' * (share.in_flight > 1)} in flight)"
+        )
+    if t.memory_budget_gib is not None:  # each rank checks its own estimate at start (Trainer: check_budget)
+        worst = max(range(pipeline.degree), key=lambda r: totals[r])
+        fits = totals[worst] <= t.memory_budget_gib * 2**30
+        lines.append(
+            f"  training.memory_budget_gib {t.memory_budget_gib:g}: {'fits' if fits else 'DOES NOT FIT'} "
+            f"(pipeline rank {worst} needs the most, {totals[worst] / 2**30:.2f} GiB)"
         )
     return lines
 
