@@ -13,7 +13,6 @@ import os
 import queue
 import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,10 +31,7 @@ def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..
     torch.set_num_threads(1)  # N ranks share the machine's cores; idle OpenMP threads would spin
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(*args)
-        if dist.is_initialized():  # rank 0 hosts the store: ending its group under a rank still using it resets it
-            dist.monitored_barrier(timeout=timedelta(seconds=120))
-        results.put((rank, True, result))
+        results.put((rank, True, fn(*args)))
     except BaseException:  # report any failure (also assertion errors) to the parent with the traceback
         results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))
     finally:
@@ -46,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..
 # The ranks are forked from a forkserver that has imported torch and the Trainer once: a freshly spawned rank
 # spends ~5 s of CPU importing them, which on 2 cores was minutes of the suite. The forkserver is a clean
 # single-threaded process (unlike this one, which holds threads), so forking from it is safe.
-_PRELOAD = ["torch", "torch.distributed", "trainer.trainer", "tests.helpers.common", "tests.helpers.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "trainer.train", "tests.helpers.common", "tests.helpers.distributed"]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
