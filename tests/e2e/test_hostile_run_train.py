@@ -23,7 +23,6 @@ import pytest
 from tests.helpers.common import ROOT, tiny_run_args
 from tests.helpers.hostile import (
     SMALL_ARGS,
-    one_line_error,
     read_md,
     record_index,
     rewrite_item,
@@ -32,6 +31,7 @@ from tests.helpers.hostile import (
     torch_saved,
     write_md,
 )
+from tests.helpers.kiln_process import assert_one_line_error
 
 CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2")
 
@@ -74,7 +74,7 @@ def test_hf_config_with_zero_heads_is_refused_before_any_rank(hf_model: Path, tm
     (folder / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
     source = ("--checkpoint.initial_load_path", str(folder), "--model.flavor", "from_checkpoint")
     proc = run_train_sh(*tiny_run_args(*source, "--job.dump_folder", str(tmp_path / "o")), cwd=tmp_path, ngpu=2)
-    line = one_line_error(proc)
+    line = assert_one_line_error(proc)
     assert f"{folder / 'config.json'}: num_attention_heads must be in [1, 2147483647], got 0" in line, line
     assert "[rank0]" not in proc.stdout and not (tmp_path / "o").exists()
 
@@ -86,7 +86,7 @@ def test_one_kv_head_with_tensor_parallel_2_is_refused_before_any_rank(hf_model:
     source = ("--checkpoint.initial_load_path", str(folder), "--model.flavor", "from_checkpoint")
     tp = ("--parallelism.tensor_parallel_degree", "2")
     proc = run_train_sh(*tiny_run_args(*source, *tp, "--job.dump_folder", str(tmp_path / "o")), cwd=tmp_path, ngpu=2)
-    line = one_line_error(proc)
+    line = assert_one_line_error(proc)
     assert "parallelism.tensor_parallel_degree (2) must divide the model's n_kv_heads (1)" in line, line
     assert "[rank0]" not in proc.stdout
 
@@ -98,7 +98,7 @@ def test_a_kiln_json_of_a_million_layers_is_refused_for_memory(two_rank_checkpoi
     (step / "kiln.json").write_text(json.dumps(marker))
     source = ("--checkpoint.initial_load_path", str(step), "--model.flavor", "from_checkpoint")
     proc = run_train_sh(*tiny_run_args(*source, "--job.dump_folder", str(tmp_path / "o")), cwd=tmp_path)
-    line = one_line_error(proc)
+    line = assert_one_line_error(proc)
     assert "1000000 layers, dim 64" in line and "more than this machine's RAM" in line, line
 
 
@@ -126,7 +126,7 @@ def test_bounds_at_start(tmp_path: Path, env: dict[str, str], args: tuple[str, .
     paths["deep_record"] = tmp_path / "deep.jsonl"
     argv = tiny_run_args("--job.dump_folder", str(tmp_path / "o"), *(a.format(**paths) for a in args))
     proc = run_train_sh(*argv, cwd=tmp_path, ngpu=env.get("NGPU", 1), timeout=300)
-    line = one_line_error(proc)
+    line = assert_one_line_error(proc)
     assert needle in line, line
     assert "[rank0]" not in proc.stdout
 
@@ -146,7 +146,7 @@ def test_a_crafted_train_step_is_refused_on_every_rank(two_rank_checkpoint: Path
     step = dump / "checkpoint" / "step-2"
     rewrite_item(step, "train_state.step", torch_saved(-100))
     before = snapshot(dump / "checkpoint")
-    line = one_line_error(_resume(dump, ngpu))
+    line = assert_one_line_error(_resume(dump, ngpu))
     assert f"checkpoint {step}: train_state.step is -100, but kiln writes the step of the folder's name (2)" in line
     assert snapshot(dump / "checkpoint") == before
 
@@ -164,7 +164,7 @@ def test_a_record_outside_the_folder_and_a_linked_lock_are_refused_with_two_rank
     md.storage_data[index] = dataclasses.replace(md.storage_data[index], relative_path=str(tmp_path / "outside.distcp"))
     write_md(step, md)
     before = snapshot(dump / "checkpoint")
-    line = one_line_error(_resume(dump, 2))
+    line = assert_one_line_error(_resume(dump, 2))
     assert f"names '{tmp_path / 'outside.distcp'}', outside {step}" in line, line
     assert snapshot(dump / "checkpoint") == before
 
@@ -173,7 +173,7 @@ def test_a_record_outside_the_folder_and_a_linked_lock_are_refused_with_two_rank
     lock = dump / "checkpoint" / ".kiln.lock"
     lock.unlink()
     lock.symlink_to(victim)
-    line = one_line_error(_resume(dump, 2))
+    line = assert_one_line_error(_resume(dump, 2))
     assert f"{lock} is a symbolic link; kiln never writes, truncates or removes through a link" in line, line
     assert victim.read_text() == "precious\n"
 
@@ -190,7 +190,7 @@ def test_a_full_disk_at_a_save_names_the_folder_and_the_intact_checkpoint(
     inline_container.cc] unexpected pos`."""
     dump = _copy(two_rank_checkpoint, tmp_path / "run")
     folder = dump / "checkpoint"
-    line = one_line_error(_resume(dump, 1, preexec_fn=_file_size_limit))
+    line = assert_one_line_error(_resume(dump, 1, preexec_fn=_file_size_limit))
     assert f"saving checkpoint step-4 into {folder} failed (" in line and "the disk holding it has" in line, line
     assert f"{folder / 'step-2'} is the newest complete checkpoint and is intact" in line, line
     assert sorted(p.name for p in folder.iterdir()) == [".kiln.lock", "step-2"]  # the partial step-4.tmp removed
@@ -208,5 +208,5 @@ def test_profiling_into_a_read_only_dump_folder_is_refused_at_start(tmp_path: Pa
         proc = run_train_sh(*argv, "--training.steps", "5", "--job.dump_folder", str(dump), cwd=tmp_path)
     finally:
         subprocess.run(["chattr", "-i", str(dump)], check=True)
-    line = one_line_error(proc)
+    line = assert_one_line_error(proc)
     assert f"profiling.save_traces_folder: {dump}/" in line and "is not usable" in line, line

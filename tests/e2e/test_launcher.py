@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.common import ROOT, tiny_run_args
-from tests.helpers.kiln_process import KilnResult, run_kiln, run_python, start_kiln
+from tests.helpers.kiln_process import KilnResult, assert_one_line_error, run_kiln, run_python, start_kiln
 
 TIMEOUT_S = 300
 
@@ -21,23 +21,6 @@ TIMEOUT_S = 300
 def run_train(*args: str, cwd: Path, ngpu: int | str | None = 1, **env: str) -> KilnResult:
     """`NGPU=ngpu run_train.sh args` from `cwd`, with `env` on top of this process's environment."""
     return run_kiln(args, ngpu=ngpu, env=env, cwd=cwd, timeout=TIMEOUT_S)
-
-
-def assert_one_line_error(proc: KilnResult, *needles: str) -> str:
-    """Exit 2 and one line `kiln: error: ...` holding each needle, the last on stderr; no traceback anywhere.
-
-    Before it, stderr may hold only what rank 0 itself printed live before the error ("[rank0]:" lines, e.g.
-    torch's DTensor-on-CPU UserWarning once FSDP is built); torchrun's own report of the failure never appears.
-    """
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    lines = proc.stderr.splitlines()
-    assert lines and lines[-1].startswith("kiln: error: "), out[-3000:]
-    assert all(line.startswith("[rank0]:") for line in lines[:-1]), out[-3000:]
-    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
-    for needle in needles:
-        assert needle in lines[-1], lines[-1]
-    return lines[-1]
 
 
 # ----------------------------------------------------------------------------- user mistakes, one line each

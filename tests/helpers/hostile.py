@@ -114,14 +114,3 @@ def run_train_sh(
     kwargs.setdefault("timeout", 600)
     full_env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(["bash", RUN_TRAIN, *args], cwd=cwd, env=full_env, capture_output=True, text=True, **kwargs)
-
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    """Exit 2, the last stderr line `kiln: error: ...`, no traceback anywhere; that line."""
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    lines = proc.stderr.splitlines()
-    assert lines and lines[-1].startswith("kiln: error: "), out[-3000:]
-    assert all(line.startswith("[rank0]:") for line in lines[:-1]), out[-3000:]
-    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
-    return lines[-1]

@@ -60,6 +60,23 @@ class KilnResult:
         return [line for line in self.stderr.splitlines() if line.startswith("kiln: error:")]
 
 
+def assert_one_line_error(proc: KilnResult | subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2 and one line `kiln: error: ...` holding each needle, the last on stderr; no traceback anywhere.
+
+    Before it, stderr may hold only what rank 0 itself printed live before the error ("[rank0]:" lines, e.g.
+    torch's DTensor-on-CPU UserWarning once FSDP is built); torchrun's own report of the failure never appears.
+    """
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines and lines[-1].startswith("kiln: error: "), out[-3000:]
+    assert all(line.startswith("[rank0]:") for line in lines[:-1]), out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
+    return lines[-1]
+
+
 def kiln_argv(
     args: Sequence[str | os.PathLike] = (),
     *,
