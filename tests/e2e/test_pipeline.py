@@ -236,8 +236,9 @@ def test_float8_check_and_numerics_cover_both_stages(runs: dict[str, Any]) -> No
 
 def test_mxfp8_emulated_matches_one_process(runs: dict[str, Any]) -> None:
     """MXFP8 scales 32-element blocks; a pipeline micro-batch of 32 tokens keeps the one-process blocks."""
-    if "unsupported" in runs["ranks"][0]["mxfp8"]:
-        pytest.skip(f"no MXFP8 training with this torch: {runs['ranks'][0]['mxfp8']['unsupported']}")
+    if "unsupported" in runs["ranks"][0]["mxfp8"]:  # torchao's MXFP8 needs torch >= 2.13: the oldest-torch leg only
+        assert tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13), runs["ranks"][0]
+        pytest.skip(f"no MXFP8 training with torch {torch.__version__}: {runs['ranks'][0]['mxfp8']['unsupported']}")
     losses = _merged(runs, "mxfp8", "losses")
     assert losses != _merged(runs, "1F1B", "losses")  # float8 rounding: not the high-precision run
     # Measured 8.9e-6 at step 4 (1e-7 at step 1): float8 rounding amplifies the micro-batches' reordered sums.
