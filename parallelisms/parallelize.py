@@ -164,6 +164,14 @@ def apply_fsdp(
     if parallel_dims.tp_enabled:
         fsdp_reduce_tp_partial_grads_in_reduce_dtype()  # pytorch#190626: else the TP all-reduce ignores reduce_dtype
     policy = parallelism.fsdp_reshard_after_forward
+    # Groups as torchtitan makes them: the embedding, each block, the final norm with the output layer, then the
+    # root. The output layer's gradients (a quarter of the 8B's weights with vocab 128,256) are then reduced while
+    # the blocks' backward runs, not after it; tied weights stay in the root (one parameter, one group).
+    tied = model.output is not None and model.tok_embeddings is not None
+    tied = tied and model.output.weight is model.tok_embeddings.weight
+    if model.tok_embeddings is not None and not tied:
+        reshard = {"always": True, "never": False}.get(policy, not parallel_dims.pp_enabled)
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # By default the last block keeps its params: backward needs them right away. A pipeline stage runs the
@@ -172,6 +180,9 @@ def apply_fsdp(
         default = i < len(blocks) - 1 and not parallel_dims.pp_enabled
         reshard = {"always": True, "never": False}.get(policy, default)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if model.norm is not None and model.output is not None and not tied:
+        # Backward needs them first: kept gathered after the forward unless resharding is always asked for.
+        fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if training.mixed_precision_reduce == BF16_WIRE and parallel_dims.fsdp_enabled:  # a reduce-scatter: dp_shard x cp

@@ -90,6 +90,7 @@ if [[ $PART == rows ]]; then
     step loss_fused 50 bash -c "$(declare -f loss); RES=$RES; loss rowwise --float8.enable_float8_linear \
         --float8.recipe_name rowwise; loss rowwise_fused --float8.enable_float8_linear --float8.recipe_name rowwise \
         --float8.rowwise_fused_cast"
+    step cudagraphs 45 row cudagraphs tensorwise -- --bench.inductor triton.cudagraphs=true
     step flex 45 row flex bf16 -- --model.flavor 8B_flex
     step kiln_bf16_long 45 python3 benchmarks/run.py --preset llama3_8b_8l --precision bf16 --warmup 3 --steps 12 \
         --timeout 100 --out "$RES/long"
@@ -99,7 +100,7 @@ if [[ $PART == rows ]]; then
         --float8.recipe_name rowwise --activation_checkpoint.mode selective \
         --activation_checkpoint.selective_ac_option op --training.seq_len 2048 --training.local_batch_size 4 \
         --profiling.saved_activations_report --job.dump_folder "$RES/outputs/report"
-    for d in tiles no_tiles fused flex long; do
+    for d in tiles no_tiles fused cudagraphs flex long; do
         [[ -f $RES/$d/results.jsonl ]] && python3 benchmarks/run.py --preset llama3_8b_8l --summary --out "$RES/$d"
     done
     python3 benchmarks/projection.py --results "$RES/tiles"
