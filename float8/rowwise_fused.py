@@ -52,7 +52,7 @@ class FusedRowwiseMatmul(torch.autograd.Function):
     """y = x @ W^T with torchao's rowwise numerics, the casts by float8/rowwise_kernels.py."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cfg: LinearMMConfig) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cfg: LinearMMConfig) -> torch.Tensor:
         from float8.rowwise_kernels import row_cast
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -67,7 +67,7 @@ class FusedRowwiseMatmul(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         from float8.rowwise_kernels import col_cast_t, row_cast
 
         x2, weight, x_col_amax, w_col_amax = ctx.saved_tensors

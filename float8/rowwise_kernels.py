@@ -55,8 +55,10 @@ _MAX = tl.standard._elementwise_max
 FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
 EPS = tl.constexpr(1e-12)  # torchao.float8.float8_utils.EPS
 
-ROW_BLOCK_R, ROW_BLOCK_C = 16, 256  # row_cast: rows per program, columns per loop step
-COL_BLOCK = 64  # col_cast_t: square tiles
+# Tile sizes: (row_cast's rows per program, its columns per loop step, col_cast_t's square tile). The interpreter
+# runs every program in Python, so it gets fewer, larger ones (the tests' shapes still leave partial tiles).
+GPU_BLOCKS = (16, 256, 64)
+INTERPRETER_BLOCKS = (64, 256, 128)
 
 
 @triton.jit
@@ -158,9 +160,10 @@ def row_cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=t.device)
     row_scale = torch.empty((R, 1), dtype=torch.float32, device=t.device)
     col_amax = torch.zeros((C,), dtype=torch.int32, device=t.device)
-    grid = (triton.cdiv(R, ROW_BLOCK_R),)
+    block_r, block_c, _ = INTERPRETER_BLOCKS if _interpreted(t) else GPU_BLOCKS
+    grid = (triton.cdiv(R, block_r),)
     wrap_triton(_row_cast_kernel)[grid](
-        t, q, row_scale, col_amax, R, C, BLOCK_R=ROW_BLOCK_R, BLOCK_C=ROW_BLOCK_C, INTERPRETED=_interpreted(t)
+        t, q, row_scale, col_amax, R, C, BLOCK_R=block_r, BLOCK_C=block_c, INTERPRETED=_interpreted(t)
     )
     return q, row_scale, col_amax
 
@@ -172,8 +175,7 @@ def col_cast_t(t: torch.Tensor, col_amax: torch.Tensor) -> tuple[torch.Tensor, t
     R, C = t.shape
     q_t = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=t.device)
     col_scale = torch.empty((C, 1), dtype=torch.float32, device=t.device)
-    grid = (triton.cdiv(R, COL_BLOCK), triton.cdiv(C, COL_BLOCK))
-    wrap_triton(_col_cast_t_kernel)[grid](
-        t, col_amax, q_t, col_scale, R, C, BLOCK=COL_BLOCK, INTERPRETED=_interpreted(t)
-    )
+    block = (INTERPRETER_BLOCKS if _interpreted(t) else GPU_BLOCKS)[2]
+    grid = (triton.cdiv(R, block), triton.cdiv(C, block))
+    wrap_triton(_col_cast_t_kernel)[grid](t, col_amax, q_t, col_scale, R, C, BLOCK=block, INTERPRETED=_interpreted(t))
     return q_t, col_scale
