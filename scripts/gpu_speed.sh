@@ -74,22 +74,22 @@ loss() {
 }
 if [[ $PART == rows ]]; then
     step fused_check 60 timeout 100 python3 scripts/gpu_rowwise_fused_check.py
+    step rowwise_fused 45 row fused rowwise -- --float8.rowwise_fused_cast
+    step rowwise_no_tiles 45 row no_tiles rowwise "${NO_TILES[@]}"
+    step rowwise 45 row tiles rowwise
     step tensorwise 40 row tiles tensorwise
     step tensorwise_no_tiles 40 row no_tiles tensorwise "${NO_TILES[@]}"
-    step rowwise 45 row tiles rowwise
-    step rowwise_no_tiles 45 row no_tiles rowwise "${NO_TILES[@]}"
-    step rowwise_fused 45 row fused rowwise -- --float8.rowwise_fused_cast
-    step bf16 40 row tiles bf16
-    step tt_tensorwise 45 python3 benchmarks/run.py --preset llama3_8b_8l --engine torchtitan --precision tensorwise \
-        --warmup 2 --steps 4 --timeout 100 --out "$RES/tiles"
-    step tt_rowwise_with_gw_hp 45 python3 benchmarks/run.py --preset llama3_8b_8l --engine torchtitan \
-        --precision rowwise_with_gw_hp --warmup 2 --steps 4 --timeout 100 --out "$RES/tiles"
+    step bf16 35 row tiles bf16
     # each change against today's loss curve: 100 steps of the debug model, compiled
     step loss_tiles 50 bash -c "$(declare -f loss); RES=$RES; loss tensorwise_tiles --float8.enable_float8_linear; \
         loss tensorwise_no_tiles --float8.enable_float8_linear ${NO_TILES[*]:1}"
     step loss_fused 50 bash -c "$(declare -f loss); RES=$RES; loss rowwise --float8.enable_float8_linear \
         --float8.recipe_name rowwise; loss rowwise_fused --float8.enable_float8_linear --float8.recipe_name rowwise \
         --float8.rowwise_fused_cast"
+    step tt_tensorwise 45 python3 benchmarks/run.py --preset llama3_8b_8l --engine torchtitan --precision tensorwise \
+        --warmup 2 --steps 4 --timeout 100 --out "$RES/tiles"
+    step tt_rowwise_with_gw_hp 45 python3 benchmarks/run.py --preset llama3_8b_8l --engine torchtitan \
+        --precision rowwise_with_gw_hp --warmup 2 --steps 4 --timeout 100 --out "$RES/tiles"
     step cudagraphs 45 row cudagraphs tensorwise -- --bench.inductor triton.cudagraphs=true
     step flex 45 row flex bf16 -- --model.flavor 8B_flex
     step kiln_bf16_long 45 python3 benchmarks/run.py --preset llama3_8b_8l --precision bf16 --warmup 3 --steps 12 \
@@ -104,6 +104,7 @@ if [[ $PART == rows ]]; then
         [[ -f $RES/$d/results.jsonl ]] && python3 benchmarks/run.py --preset llama3_8b_8l --summary --out "$RES/$d"
     done
     python3 benchmarks/projection.py --results "$RES/tiles"
+    python3 benchmarks/projection.py --results "$RES/fused"
     save
 fi
 echo "== done after $(($(date +%s) - START))s"
