@@ -213,6 +213,7 @@ def test_projection_adds_the_measured_parts_of_a_32_layer_step() -> None:
     assert parts == projection.Parts("tensorwise", 215.8, 141.3, 33.27)
     measured, full = projection.shape(8), projection.shape(32)
     assert (measured.params, full.params) == (2_795_573_248, 8_030_261_248)
+    assert (measured.n_layers, full.n_layers, full.embedding_params) == (8, 32, 128256 * 4096)
     free = projection.project(parts, measured, full, gpus=8, link_gbs=1e12)  # communication costs nothing
     optimizer = 33.27 * (full.params / 8) / measured.params
     assert free.exposed_comm_ms == pytest.approx(0, abs=1e-6)
