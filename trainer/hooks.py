@@ -313,6 +313,7 @@ class Float8CheckHook(StepHook):
 
 def build_hooks(
     cfg: JobConfig,
+    *,
     model: nn.Module,
     float8_on: bool,
     fsdp_enabled: bool,

@@ -331,18 +331,18 @@ class Trainer:
         """The hooks phase (trainer/hooks.py), for a loop starting after self.step."""
         return build_hooks(
             self.cfg,
-            self.model,
-            self.float8 is not None,
-            self.parallel_dims.fsdp_enabled,
-            self.device,
-            self.step,
-            self.metrics,
-            self.checkpointer,
-            self.nan_guard,
-            self._global_mean_loss,
-            self.losses,
-            self.validator,
-            self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
+            model=self.model,
+            float8_on=self.float8 is not None,
+            fsdp_enabled=self.parallel_dims.fsdp_enabled,
+            device=self.device,
+            start_step=self.step,
+            metrics=self.metrics,
+            checkpointer=self.checkpointer,
+            nan_guard=self.nan_guard,
+            global_mean=self._global_mean_loss,
+            losses=self.losses,
+            validator=self.validator,
+            pp_group=self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:

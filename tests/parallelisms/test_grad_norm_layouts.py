@@ -81,5 +81,4 @@ def test_grad_norm_agrees_with_one_process_in_every_layout(
         assert all(r == per_rank[0] for r in per_rank), (name, per_rank)  # every rank logs the same norm
     rel = {name: _relative(runs[0][name], one_process) for name in names}
     shown = {name: ([f"{x:.2e}" for x in r], runs[0][name]) for name, r in rel.items()}
-    print("NORMS", one_process, shown)
     assert all(r[0] < 1e-6 and max(r) < 1e-5 for r in rel.values()), (one_process, shown)
