@@ -25,6 +25,7 @@ from kiln_base.config.checks import (
     check_parallel_plan,
     check_pipeline_device,
     check_ranges,
+    check_rowwise_fused_cast_machine,
     check_same_model,
     check_torchao,
 )
@@ -170,6 +171,7 @@ __all__ = [
     "check_overrides_match_stored",
     "check_parallel_plan",
     "check_pipeline",
+    "check_rowwise_fused_cast_machine",
     "check_pipeline_device",
     "check_ranges",
     "check_same_model",
