@@ -12,8 +12,8 @@ Mixing. Source k has weight w_k (shares of tokens, normalised; every sample has 
 The global samples are cut into blocks of BLOCK; after b blocks source k has had c_k(b) = floor(w_k b BLOCK)
 samples, except the heaviest source, which has the rest (b BLOCK - sum of the others). Every c_k grows with b
 (the heaviest's step is at least w_max BLOCK - K + 1 > 0), and each share is exact to a sample per block
-boundary. Inside block b the block's c_k(b+1) - c_k(b) samples of each source are put in an order drawn from
-(seed, b). So sample g's source and its number within that source take O(K + BLOCK) numpy work, whatever g is:
+boundary. Inside block b the block's c_k(b+1) - c_k(b) samples of each source are spread evenly, from offsets
+drawn from (seed, b), so every prefix of the run holds each source's share to within two samples. So sample g's source and its number within that source take O(K + BLOCK) numpy work, whatever g is:
 a rank reads only its own samples, its cost does not grow with the data-parallel degree, and a resumed run
 starts at its saved sample number under any layout.
 """
@@ -96,9 +96,12 @@ class Mixture:
         """Block b's samples: the source of each and its number within that source."""
         if self._block is None or self._block[0] != b:
             start, quota = self._cumulative(b), self._cumulative(b + 1) - self._cumulative(b)
+            # Evenly spread: source k's i-th sample of the block sits at (i + u_k) / quota_k, u_k drawn from (seed,
+            # b); so every prefix of the block holds each source's share to within one sample.
+            offsets = np.random.default_rng([self.seed, 1 << 20, b]).random(len(self.sources))
             kinds = np.repeat(np.arange(len(self.sources)), quota)
-            if len(self.sources) > 1:
-                kinds = np.random.default_rng([self.seed, 1 << 20, b]).permutation(kinds)
+            at = (np.concatenate([np.arange(q) for q in quota]) + offsets[kinds]) / quota[kinds]
+            kinds = kinds[np.argsort(at, kind="stable")]
             within = np.empty(BLOCK, dtype=np.int64)
             for k in range(len(self.sources)):
                 at = kinds == k
