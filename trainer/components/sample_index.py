@@ -13,7 +13,8 @@ The global samples are cut into blocks of BLOCK; after b blocks source k has had
 samples, except the heaviest source, which has the rest (b BLOCK - sum of the others). Every c_k grows with b
 (the heaviest's step is at least w_max BLOCK - K + 1 > 0), and each share is exact to a sample per block
 boundary. Inside block b the block's c_k(b+1) - c_k(b) samples of each source are spread evenly, from offsets
-drawn from (seed, b), so every prefix of the run holds each source's share to within two samples. So sample g's source and its number within that source take O(K + BLOCK) numpy work, whatever g is:
+drawn from (seed, b), so every prefix of the run holds each source's share to within two samples. So sample g's
+source and its number within that source take O(K + BLOCK) numpy work, whatever g is:
 a rank reads only its own samples, its cost does not grow with the data-parallel degree, and a resumed run
 starts at its saved sample number under any layout.
 """
