@@ -22,11 +22,12 @@ from tests.helpers.scripts import load_script
 from trainer.components.token_files import write_index, write_stats
 
 P = "--parallelism."
+ONE_DP = (f"{P}data_parallel_shard_degree", "1", "--training.local_batch_size", "4")
 LAYOUTS = {
     "fsdp2": (2, ()),
-    "tp2": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}tensor_parallel_degree", "2", "--training.local_batch_size", "4")),
-    "pp2": (2, (f"{P}data_parallel_shard_degree", "1", f"{P}pipeline_parallel_degree", "2", "--training.local_batch_size", "4")),
-}  # fmt: skip
+    "tp2": (2, (*ONE_DP, f"{P}tensor_parallel_degree", "2")),
+    "pp2": (2, (*ONE_DP, f"{P}pipeline_parallel_degree", "2")),
+}
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -149,3 +150,13 @@ def test_every_bad_token_file_is_one_line_before_any_step(tmp_path: Path, case: 
     proc = run_kiln([*tiny_run_args("--training.steps", "1"), "--training.dataset_path", path], ngpu=1)
     line = assert_one_line_error(proc, needle, str(tmp_path))
     assert "step:" not in proc.stdout, line
+
+
+@pytest.mark.slow  # starts a rank
+def test_a_bad_id_in_a_file_without_stats_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A file made elsewhere has no stats sidecar: its ids are checked window by window as read (docs/data.md)."""
+    bad = TOKENIZER.n_words + 3
+    docs = [[bad] * 40 for _ in range(20)]
+    megatron_write(tmp_path / "d", docs, np.int32)
+    proc = run_kiln([*tiny_run_args("--training.steps", "1"), "--training.dataset_path", tmp_path / "d"], ngpu=1)
+    assert_one_line_error(proc, f"{tmp_path / 'd.bin'}: token ", f"is id {bad}, outside the tokenizer's vocabulary")

@@ -15,6 +15,7 @@ import torch
 from kiln_base.config import DatasetSource, Training, parse_args
 from kiln_base.errors import CheckpointError, ConfigError, DataError
 from tests.helpers.data import TOKENIZER, loader
+from tests.helpers.scripts import load_script
 from trainer.components.resume import OPTIMIZER, REFUSED, SCHEDULE, WARNED, check_resume
 from trainer.components.sample_index import BLOCK, Mixture, Source, open_mixture
 from trainer.components.token_data import TokenFileLoader, build_token_loader, token_fingerprint
@@ -131,16 +132,24 @@ def test_without_stats_a_bad_id_is_named_when_its_window_is_read(tmp_path: Path)
             next(dl)
 
 
+def mix_loader(folder: Path, rank: int, world: int, batch: int) -> TokenFileLoader:
+    mix = [DatasetSource(str(folder / "d"), 0.7), DatasetSource(str(folder / "e.npy"), 0.3)]
+    cfg = Training(seq_len=32, local_batch_size=batch, dataset_mix=mix, seed=1, steps=10)
+    return build_token_loader(cfg, V, rank, world, global_batch=batch * world)
+
+
 def test_global_batch_is_the_same_for_every_layout_and_resumes_by_sample_number(tmp_path: Path) -> None:
+    """A 2-source mix (a Megatron pair and a .npy file): step N's global batch is the same in every DP layout."""
     write_megatron(tmp_path / "d", random_docs(300))
+    np.save(tmp_path / "e.npy", np.concatenate([np.array(d, np.uint16) for d in random_docs(100, seed=1)]))
     batches: dict[int, list[torch.Tensor]] = {}
     for world, batch in [(1, 8), (2, 4), (4, 2), (8, 1)]:
-        loaders = [token_loader(tmp_path / "d", r, world, batch) for r in range(world)]
+        loaders = [mix_loader(tmp_path, r, world, batch) for r in range(world)]
         batches[world] = [torch.cat([next(dl)[0] for dl in loaders]) for _ in range(4)]
         assert all(dl.state_dict() == {"sequences": 32} for dl in loaders)
     for world in (2, 4, 8):
         assert all(torch.equal(a, b) for a, b in zip(batches[1], batches[world], strict=True)), world
-    resumed = [token_loader(tmp_path / "d", r, 2, 4) for r in range(2)]
+    resumed = [mix_loader(tmp_path, r, 2, 4) for r in range(2)]
     for dl in resumed:
         dl.load_state_dict({"sequences": 16})  # saved on 1 rank after 2 steps of 8
     assert torch.equal(torch.cat([next(dl)[0] for dl in resumed]), batches[1][2])
@@ -149,8 +158,6 @@ def test_global_batch_is_the_same_for_every_layout_and_resumes_by_sample_number(
 def test_windows_are_the_text_paths_windows_shuffled(tmp_path: Path) -> None:
     """The tokenize command's file of a JSONL file, cut into seq_len+1 windows, holds exactly the windows the text
     path packs from the JSONL itself (same BOS/EOS convention), in a seeded order."""
-    from tests.helpers.scripts import load_script
-
     text = tmp_path / "t.jsonl"
     text.write_text("\n".join(json.dumps({"text": f"doc {i} " + "w " * (5 + i % 17)}) for i in range(200)) + "\n")
     assert load_script("tokenize_data").main([str(text), str(tmp_path / "t"), "--workers", "2"]) == 0
@@ -259,8 +266,6 @@ def test_fingerprint_names_what_changed_unless_the_change_is_allowed(tmp_path: P
 
 
 def test_tokenize_gives_the_same_file_with_any_workers_and_names_a_bad_record(tmp_path: Path, capsys) -> None:
-    from tests.helpers.scripts import load_script
-
     tokenize = load_script("tokenize_data")
     folder = tmp_path / "in"
     folder.mkdir()
@@ -283,8 +288,6 @@ def test_tokenize_gives_the_same_file_with_any_workers_and_names_a_bad_record(tm
 
 
 def test_tokenize_skips_the_shards_an_interrupted_run_finished(tmp_path: Path, capsys) -> None:
-    from tests.helpers.scripts import load_script
-
     tokenize = load_script("tokenize_data")
     text = tmp_path / "t.jsonl"
     text.write_text("\n".join(json.dumps({"text": f"doc {j} " + "x " * 50}) for j in range(400)) + "\n")
@@ -318,3 +321,39 @@ def test_loader_state_is_one_integer_and_validation_ends_with_the_set(tmp_path: 
     dl = TokenFileLoader(mix, 2, V, dp_rank=1, dp_degree=2, samples=n)
     rounds = sum(1 for _ in dl)
     assert rounds == n // 4 and dl.state_dict() == {"sequences": 4 * rounds}
+
+
+def test_validation_from_token_files_reads_the_text_paths_batches_in_order(tmp_path: Path) -> None:
+    """Validation windows are not shuffled: the tokenized validation split gives the text path's batches, in order."""
+    from kiln_base.config import Validation
+    from tests.helpers.megatron_data import ROOT
+    from trainer.components.data import build_validation_loader
+    from trainer.components.token_data import build_token_validation_loader
+
+    text = ROOT / "assets" / "corpus" / "kiln_corpus_validation.jsonl"
+    assert load_script("tokenize_data").main([str(text), str(tmp_path / "val")]) == 0
+    t = Training(seq_len=64, local_batch_size=2)
+    for rank in (0, 1):
+        by_text = build_validation_loader(Validation(enable=True, dataset_path=str(text)), t, TOKENIZER, rank, 2)
+        by_tokens = build_token_validation_loader(Validation(enable=True, dataset_path=str(tmp_path / "val")), t, V,
+                                                  rank, 2)  # fmt: skip
+        pairs = list(zip(by_text, by_tokens, strict=True))  # both end with the set, after the same batches
+        by_text.close()
+        assert len(pairs) > 100 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs)
+
+
+def test_tokenize_reads_parquet_and_a_saved_hugging_face_dataset(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"record {i} " + "word " * (i % 13) for i in range(50)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    pq.write_table(pa.table({"text": texts, "id": list(range(50))}), tmp_path / "t.parquet")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
+    tokenize = load_script("tokenize_data")
+    for name in ("t.jsonl", "t.parquet", "hf"):
+        assert tokenize.main([str(tmp_path / name), str(tmp_path / f"out_{name}")]) == 0
+    expected = sum((TOKENIZER.encode(t, bos=True, eos=True) for t in texts), [])
+    for name in ("t.jsonl", "t.parquet", "hf"):
+        assert open_token_file(str(tmp_path / f"out_{name}.bin"), V).tokens.tolist() == expected, name

@@ -80,6 +80,8 @@ class Mixture:
 
     def counts(self, samples: int) -> np.ndarray:
         """Samples of each source among global samples [0, samples)."""
+        if len(self.sources) == 1:
+            return np.array([samples], dtype=np.int64)
         b, r = divmod(samples, BLOCK)
         out = self._cumulative(b)
         if r:
@@ -101,17 +103,15 @@ class Mixture:
             # b); so every prefix of the block holds each source's share to within one sample.
             offsets = np.random.default_rng([self.seed, 1 << 20, b]).random(len(self.sources))
             kinds = np.repeat(np.arange(len(self.sources)), quota)
-            at = (np.concatenate([np.arange(q) for q in quota]) + offsets[kinds]) / quota[kinds]
-            kinds = kinds[np.argsort(at, kind="stable")]
-            within = np.empty(BLOCK, dtype=np.int64)
-            for k in range(len(self.sources)):
-                at = kinds == k
-                within[at] = start[k] + np.arange(int(at.sum()))
-            self._block = (b, kinds, within)
+            nth = np.arange(BLOCK) - np.repeat(np.cumsum(quota) - quota, quota)  # i of source k's i-th sample
+            order = np.argsort((nth + offsets[kinds]) / quota[kinds], kind="stable")  # keeps each source's i order
+            self._block = (b, kinds[order], start[kinds[order]] + nth[order])
         return self._block[1], self._block[2]
 
     def locate(self, g: int) -> tuple[int, int]:
         """(source, sample number within the source) of global sample g."""
+        if len(self.sources) == 1:  # no mixing: the source's sample g
+            return 0, g
         b, r = divmod(g, BLOCK)
         kinds, within = self._block_plan(b)
         return int(kinds[r]), int(within[r])
