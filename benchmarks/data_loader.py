@@ -139,13 +139,16 @@ def tokenize_rates(copies: int, work: Path) -> list[tuple[int, float]]:
     rates = []
     for workers in (1, 2):
         prefix = work / f"tok{workers}"
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run([sys.executable, str(TOKENIZE), str(text), str(prefix), "--workers", str(workers),
                         "--shard-mb", "1"], check=True, capture_output=True)  # fmt: skip
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
         n = json.loads(Path(f"{prefix}.bin.kiln.json").read_text())["tokens"]
         rates.append((workers, n / (time.perf_counter() - t0)))
         print(f"tokenize {text.stat().st_size / 2**20:.0f} MB, {workers} worker(s): {rates[-1][1]:,.0f} tokens/s "
-              "(wall clock of the whole command: start-up, tokenizing, merge)", flush=True)  # fmt: skip
+              f"(wall clock of the whole command: start-up, tokenizing, merge); {n / cpu:,.0f} tokens per CPU-second "
+              f"over all its processes; load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     return rates
 
 
