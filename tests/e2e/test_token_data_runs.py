@@ -18,6 +18,7 @@ from tests.helpers.data import TOKENIZER
 from tests.helpers.kiln_process import assert_one_line_error, run_kiln
 from tests.helpers.loss_runs import drive, save_initial_weights, with_init
 from tests.helpers.megatron_data import corpus_documents, megatron_write
+from tests.helpers.run_files import tensorboard_scalars
 from tests.helpers.scripts import load_script
 from trainer.components.token_files import write_index, write_stats
 
@@ -83,8 +84,9 @@ def test_a_checkpoint_saved_on_fsdp2_resumes_on_tp2_and_one_rank(token_runs: Pat
 @pytest.mark.slow
 def test_a_three_source_mix_logs_its_weights_and_refuses_changed_data(tmp_path: Path) -> None:
     """web/code/math at 0.5/0.3/0.2 (tokenized by the tokenize command from three slices of the corpus): the table
-    at start, then every log line's shares within 1% of the weights; resuming with other weights is one line, and
-    with training.allow_data_change it goes on from the saved sample number."""
+    at start, then every log line's shares within 1% of the weights, the tokens per source in TensorBoard;
+    resuming with other weights is one line, and with training.allow_data_change it goes on from the saved
+    sample number."""
     corpus = [json.dumps({"text": TOKENIZER.decode(d[1:-1])}) for d in corpus_documents(limit=1500)]
     for name, part in (("web", corpus[:700]), ("code", corpus[700:1100]), ("math", corpus[1100:])):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
@@ -93,13 +95,15 @@ def test_a_three_source_mix_logs_its_weights_and_refuses_changed_data(tmp_path: 
     args = tiny_run_args("--model.n_layers", "1", "--training.steps", "40", "--training.local_batch_size", "8",
                          "--metrics.log_freq", "10", "--job.dump_folder", str(tmp_path / "run"),
                          "--checkpoint.enable_checkpoint", "--checkpoint.interval", "20")  # fmt: skip
-    proc = run_kiln([*args, "--training.dataset_mix", mix], ngpu=1, check=True)
+    proc = run_kiln([*args, "--training.dataset_mix", mix, "--metrics.enable_tensorboard"], ngpu=1, check=True)
     print(proc.stdout[-4000:])
     assert re.search(r"web\s+0\.500\s+0\.500\s+5,280\s+102,368\s+0\.05", proc.stdout)  # 160 x 33 tokens
     shares = re.findall(r"step:\s+(\d+) .* mix: web ([\d.]+)% code ([\d.]+)% math ([\d.]+)%", proc.stdout)
     assert [s[0] for s in shares] == ["1", "10", "20", "30", "40"]
     for step, *got in shares[1:]:
         assert all(abs(float(g) - w) < 1.0 for g, w in zip(got, (50, 30, 20), strict=True)), (step, got)
+    tb = tensorboard_scalars(tmp_path / "run" / "tb" / "rank_0")  # tokens read per source, all ranks, as metrics
+    assert [tb[40][f"kiln/data_tokens/{name}"] for name in ("web", "code", "math")] == [160 * 33, 96 * 33, 64 * 33]
     changed = f"{tmp_path / 'web'}:0.4,{tmp_path / 'code'}:0.4,{tmp_path / 'math'}:0.2"
     longer = ("--training.steps", "60")
     refused = run_kiln([*args, *longer, "--training.dataset_mix", changed], ngpu=1)
