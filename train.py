@@ -58,9 +58,9 @@ def check_inputs(cfg: JobConfig) -> int:
     from trainer.components.tokenizer import load_tokenizer
 
     words = load_tokenizer(cfg.model.tokenizer_path).n_words
-    check_data_source(cfg.training)
+    check_data_source(cfg.training, words)
     if cfg.validation.enable:
-        check_data_source(cfg.validation)
+        check_data_source(cfg.validation, words)
     return words
 
 

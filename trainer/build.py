@@ -75,6 +75,13 @@ from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.initial_load import InitialSource, check_not_inside
 from trainer.components.loss import LossFn
 from trainer.components.resume import file_sha256, training_settings
+from trainer.components.token_data import (
+    TokenFileLoader,
+    build_token_loader,
+    build_token_validation_loader,
+    token_fingerprint,
+    uses_token_files,
+)
 from trainer.components.tokenizer import Tokenizer
 from trainer.components.validate import Validator
 
@@ -163,12 +170,16 @@ def parallel_dims(plan: RunPlan, device_type: str) -> ParallelDims:
     return dims
 
 
-def data(cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device) -> DataLoader:
+def data(
+    cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, global_batch: int
+) -> DataLoader | TokenFileLoader:
     """This data-parallel rank's slice of every global batch (the ranks of one TP or CP group, and of one pipeline,
     read the same batches: the `dp` mesh leaves tp, cp and pp out; a CP rank keeps its part of each sequence:
-    Trainer.local_batch)."""
-    dp_rank = dims.dp_mesh.get_local_rank()
-    return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=device.type == "cuda")
+    Trainer.local_batch). Token files (docs/data.md) or text tokenized on the fly."""
+    dp_rank, pin = dims.dp_mesh.get_local_rank(), device.type == "cuda"
+    if uses_token_files(cfg.training):
+        return build_token_loader(cfg.training, tokenizer.n_words, dp_rank, dims.dp_degree, global_batch, pin)
+    return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=pin)
 
 
 def validator(
@@ -185,9 +196,11 @@ def validator(
         return None
     dp_rank = dims.dp_mesh.get_local_rank()
 
-    def open_loader() -> DataLoader:
-        pin = device.type == "cuda"
-        return build_validation_loader(cfg.validation, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
+    def open_loader() -> DataLoader | TokenFileLoader:
+        v, pin = cfg.validation, device.type == "cuda"
+        if uses_token_files(v):
+            return build_token_validation_loader(v, cfg.training, tokenizer.n_words, dp_rank, dims.dp_degree, pin)
+        return build_validation_loader(v, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
 
     return Validator(open_loader, loss_of, global_mean, cfg.validation.steps, device)
 
@@ -344,7 +357,12 @@ def claim_checkpoint_folder(cfg: JobConfig) -> FolderClaim | None:
     return FolderClaim(checkpoint_folder(cfg)) if cfg.checkpoint.enable_checkpoint else None
 
 
-def run_settings(cfg: JobConfig, args: ModelArgs, global_batch: int, loader: DataLoader) -> dict[str, Any]:
+def run_settings(
+    cfg: JobConfig, args: ModelArgs, global_batch: int, loader: DataLoader | TokenFileLoader
+) -> dict[str, Any]:
     """What a resume is checked against (trainer/components/resume.py): shapes, batch, data, tokenizer."""
-    fingerprint = dataset_fingerprint(cfg.training, loader.windows.shard_files)
+    if isinstance(loader, TokenFileLoader):
+        fingerprint = token_fingerprint(cfg.training)
+    else:
+        fingerprint = dataset_fingerprint(cfg.training, loader.windows.shard_files)
     return training_settings(cfg, args, global_batch, fingerprint, file_sha256(cfg.model.tokenizer_path))

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,13 +116,19 @@ def compute_precision(
 
 
 def metrics_logger(
-    cfg: JobConfig, device: torch.device, flops_per_token: float, float8: bool
+    cfg: JobConfig,
+    device: torch.device,
+    flops_per_token: float,
+    float8: bool,
+    data_tokens: Callable[[], dict[str, int]] | None = None,
 ) -> tuple[bool, MetricsLogger]:
     """Whether this rank logs (LOG_RANK), and its step-line logger with the scalar writers (TensorBoard, W&B)."""
     log_ranks = os.environ.get("LOG_RANK", "0").split(",")
     logging_rank = str(dist.get_rank()) in log_ranks
     writer = open_scalar_writers(cfg.metrics, cfg.job.dump_folder, cfg.to_dict(), dist.get_rank(), log_ranks)
-    return logging_rank, MetricsLogger(cfg.metrics, device, flops_per_token, writer, logging_rank, float8)
+    return logging_rank, MetricsLogger(
+        cfg.metrics, device, flops_per_token, writer, logging_rank, float8, data_tokens=data_tokens
+    )
 
 
 class Trainer:
@@ -159,7 +165,8 @@ class Trainer:
         dp_degree = self.plan.degrees.dp_degree
         self.grad_accum_steps = self.plan.grad_accum_steps
         set_determinism(t.seed, t.deterministic)
-        self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device)
+        global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
+        self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device, global_batch)
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8, pipeline=self.plan.pipeline)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
@@ -178,7 +185,6 @@ class Trainer:
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
-        global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
         self.settings = build.run_settings(cfg, args, global_batch, self.dataloader)
         states = {
             "model": self.model,
@@ -191,7 +197,11 @@ class Trainer:
         self.step = self._resume_or_start(source, built.held_elsewhere, t.steps)
         self.nan_guard = NonFiniteGuard(self.device)
         self.is_logging_rank, self.metrics = metrics_logger(
-            cfg, self.device, self.flops_per_token, self.float8 is not None
+            cfg,
+            self.device,
+            self.flops_per_token,
+            self.float8 is not None,
+            data_tokens=getattr(self.dataloader, "tokens_by_source", None),  # a token-file mix's per-source tokens
         )
         self.losses: list[float] = []  # losses of logged steps (filled by the metrics hook), for tests and callers
 
@@ -216,7 +226,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, int | str]) -> None:
         """Restore the step; refuse (CheckpointError) or warn about changed settings (trainer/components/resume.py)."""
         where = f"checkpoint {step_dir(self.checkpointer.folder, int(state['step']))}"
-        for line in check_resume(json.loads(str(state["settings"])), self.settings, where):
+        saved = json.loads(str(state["settings"]))
+        for line in check_resume(saved, self.settings, where, self.cfg.training.allow_data_change):
             logger.warning(line)
         self.step = int(state["step"])
 

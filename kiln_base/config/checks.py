@@ -105,9 +105,21 @@ def check_config_alone(cfg: JobConfig) -> None:
         val_path = cfg.validation.dataset_path if cfg.validation.enable else None  # read only when validating
         for section, path in (("training", t.dataset_path), ("validation", val_path)):
             _check(
-                path is None or os.path.exists(path),
-                f"{section}.dataset_path: not found: {path} (a jsonl/json/parquet/txt file or folder)",
+                path is None or os.path.exists(path) or os.path.isfile(path + ".idx"),  # or a Megatron prefix
+                f"{section}.dataset_path: not found: {path} (a jsonl/json/parquet/txt file, token files: a Megatron "
+                ".bin/.idx prefix or .npy, or a folder)",
             )
+        for i, source in enumerate(t.dataset_mix):
+            _check(
+                os.path.exists(source.path) or os.path.isfile(source.path + ".idx"),
+                f"training.dataset_mix[{i}].path: not found: {source.path} (token files: a Megatron .bin/.idx "
+                "prefix, a .npy file, or a folder of them)",
+            )
+        _check(
+            not (t.dataset_mix and t.dataset_path is not None),
+            "training.dataset_mix and training.dataset_path are both set; give one (a mix of one source is "
+            "dataset_path)",
+        )
         # find_spec looks the package up without importing it (wandb takes ~2 s to import).
         _check(
             not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None,

@@ -59,6 +59,8 @@ def _resolve_paths(cfg: JobConfig) -> None:
         cfg.training.dataset_path = resolve_input_path(cfg.training.dataset_path)
     if cfg.validation.dataset_path is not None:
         cfg.validation.dataset_path = resolve_input_path(cfg.validation.dataset_path)
+    for source in cfg.training.dataset_mix:
+        source.path = resolve_input_path(source.path)
     if cfg.checkpoint.initial_load_path is not None:
         cfg.checkpoint.initial_load_path = resolve_output_path(cfg.checkpoint.initial_load_path)
 
@@ -175,6 +177,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # a table in a list (training.dataset_mix): an inline table, unset keys left out
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
     return repr(v)
 
 

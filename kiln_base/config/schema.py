@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kiln_base.errors import ConfigError
+
 INT64_MAX = 2**63 - 1
 
 
@@ -186,9 +188,48 @@ class LRScheduler:
 
 
 @dataclass
+class DatasetSource:
+    """One weighted source of training.dataset_mix: a [[training.dataset_mix]] table in TOML, or PATH:WEIGHT or
+    PATH:WEIGHT:MAX_EPOCHS on the command line (docs/data.md)."""
+
+    path: str = _f("", "Token files: a Megatron prefix, its .bin or .idx, a .npy file, or a folder of them.")
+    weight: float = _f(1.0, "Share of the training tokens (weights are normalised to sum to 1).", valid=POSITIVE)
+    max_epochs: float | None = _f(
+        None, "Refuse the run if it would read this source more times than this; unset = no cap.", valid=POSITIVE
+    )
+
+    @classmethod
+    def from_cli(cls, text: str, where: str) -> DatasetSource:
+        """PATH:WEIGHT or PATH:WEIGHT:MAX_EPOCHS (split from the right, so a path may hold ':')."""
+        parts = text.rsplit(":", 2)
+        try:
+            if len(parts) == 3:
+                return cls(parts[0], float(parts[1]), float(parts[2]))
+            path, weight = text.rsplit(":", 1)
+            return cls(path, float(weight))
+        except ValueError:
+            pass
+        raise ConfigError(f"{where}: expected PATH:WEIGHT or PATH:WEIGHT:MAX_EPOCHS, got {text!r}")
+
+
+@dataclass
 class Training:
     dataset: str = _f("kiln_corpus", "Registered dataset name (kiln_corpus, c4).")
-    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides the registry path.")
+    dataset_path: str | None = _f(
+        None,
+        "Local text (jsonl/json/parquet/txt file or folder) or token files (a Megatron .bin/.idx prefix, .npy, or "
+        "a folder of them: docs/data.md); overrides the registry path.",
+    )
+    dataset_mix: list[DatasetSource] = _f(
+        [],
+        "Weighted token-file sources, instead of dataset_path: [[training.dataset_mix]] tables with path, weight "
+        "and optional max_epochs; on the command line PATH:WEIGHT[:MAX_EPOCHS],... (docs/data.md).",
+    )
+    allow_data_change: bool = _f(
+        False,
+        "Resume a checkpoint saved with other data (files, mix weights, seed): the new data continues from the "
+        "checkpoint's sample number instead of the run being refused.",
+    )
     local_batch_size: int = _f(8, "Sequences per device per micro-batch.", valid=AT_LEAST_1)
     global_batch_size: int = _f(
         -1,
@@ -260,7 +301,11 @@ class Validation:
         "Registered dataset name: kiln_corpus_validation (the bundled corpus's held-out split), c4_validation "
         "(allenai/c4 en, split validation, streamed).",
     )
-    dataset_path: str | None = _f(None, "Local file or folder (jsonl/json/parquet/txt); overrides validation.dataset.")
+    dataset_path: str | None = _f(
+        None,
+        "Local text (jsonl/json/parquet/txt file or folder) or token files (Megatron prefix, .bin/.idx, .npy, or a "
+        "folder of them); overrides validation.dataset.",
+    )
     local_batch_size: int | None = _f(
         None, "Sequences per device per validation batch; unset = training.local_batch_size.", valid=AT_LEAST_1
     )

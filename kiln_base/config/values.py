@@ -6,6 +6,7 @@ ConfigError naming the key (`where`) and, for an unknown name, the closest valid
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import types
 import typing
@@ -39,6 +40,8 @@ def convert(value: Any, tp: Any, where: str, toml: bool = False) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [convert(v, inner, where, toml) for v in value]
+    if dataclasses.is_dataclass(tp):
+        return _convert_table(value, tp, where, toml)
     if toml and isinstance(value, str) and tp in (bool, int, float):
         kind = {bool: "boolean (true or false, unquoted)", int: "integer (unquoted)", float: "number (unquoted)"}
         raise ConfigError(f"{where}: expected a TOML {kind[tp]}, got the string {value!r}")
@@ -71,6 +74,26 @@ def convert(value: Any, tp: Any, where: str, toml: bool = False) -> Any:
             return value
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise AssertionError(f"unsupported config type {tp} at {where}")
+
+
+def _convert_table(value: Any, tp: Any, where: str, toml: bool) -> Any:
+    """A list entry that is a small dataclass (training.dataset_mix's sources): a TOML table, strictly converted
+    key by key and range-checked, or its command-line text (`tp.from_cli`)."""
+    if isinstance(value, str) and not toml:
+        out = tp.from_cli(value.strip(), where)
+    elif isinstance(value, dict):
+        hints = typing.get_type_hints(tp)
+        unknown = [k for k in value if k not in hints]
+        if unknown:
+            raise ConfigError(f"{where}: unknown key '{unknown[0]}'{suggest(unknown[0], list(hints))}")
+        out = tp(**{k: convert(v, hints[k], f"{where}.{k}", toml) for k, v in value.items()})
+    else:
+        raise ConfigError(f"{where}: expected a table ({', '.join(f.name for f in fields(tp))}), got {value!r}")
+    for f in fields(out):
+        valid, v = f.metadata.get("valid"), getattr(out, f.name)
+        if valid is not None and v is not None and not valid.contains(v):
+            raise ConfigError(f"{where}.{f.name} must be {valid.describe(v)}, got {v!r}")
+    return out
 
 
 def suggest(name: str, options: list[str]) -> str:

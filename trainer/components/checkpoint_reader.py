@@ -467,12 +467,12 @@ def check_loaded_state(sd: Mapping[str, Any], path: str, step: int | None, n_wor
     dl = sd.get("dataloader")
     if isinstance(dl, Mapping):
         expected = {"sequences", "epoch", "shard", "record", "buffer"}
-        if set(dl) != expected:
-            raise _bad(path, "the data-loader state", sorted(dl), f"the keys {sorted(expected)}")
+        if set(dl) not in (expected, {"sequences"}):  # the text path's position, or token files' sample number
+            raise _bad(path, "the data-loader state", sorted(dl), f"the keys {sorted(expected)} or ['sequences']")
         for key in ("sequences", "epoch", "shard", "record"):
-            if not (_is_int(dl[key]) and dl[key] >= 0):
+            if key in dl and not (_is_int(dl[key]) and dl[key] >= 0):
                 raise _bad(path, f"dataloader.{key}", dl[key], "a position (an integer >= 0)")
-        buffer = dl["buffer"]
+        buffer = dl.get("buffer", [])
         if not isinstance(buffer, list):
             raise _bad(path, "dataloader.buffer", buffer, "a list of token ids")
         bad = next((t for t in buffer if not (_is_int(t) and 0 <= t < n_words)), None)

@@ -200,6 +200,16 @@ class DataLoader:
         """The tokenizer's vocabulary: every token id of a batch (and of a saved position) lies below it."""
         return self.windows.tokenizer.n_words
 
+    @property
+    def source(self) -> str:
+        """The dataset as errors name it."""
+        return self.windows.source
+
+    @property
+    def window(self) -> int:
+        """Tokens per window: seq_len + 1."""
+        return self.windows.window
+
     def _next_batch(self, it: Iterator[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         rows = []
         for j in range(self.dp_degree * self.batch_size):  # the other ranks' windows are read and dropped

@@ -219,10 +219,23 @@ def load_text_dataset(
     return HFStream(ds), files
 
 
-def check_data_source(cfg: Training | Validation) -> None:
+def check_data_source(cfg: Training | Validation, n_words: int | None = None) -> None:
     """The dataset name is registered, and a local dataset's files exist, share one format and start with a
-    good record (ConfigError / DataError naming the key, file and line). A hub dataset is only named here."""
+    good record (ConfigError / DataError naming the key, file and line). A hub dataset is only named here.
+    Token files (with the tokenizer's `n_words`) are opened and checked: headers, index against token file, dtype
+    and recorded largest id against the vocabulary (trainer/components/token_files.py)."""
     section = "validation" if isinstance(cfg, Validation) else "training"
+    from trainer.components.token_files import is_token_path
+
+    mix = cfg.dataset_mix if isinstance(cfg, Training) else []
+    if mix or (cfg.dataset_path is not None and is_token_path(cfg.dataset_path)):
+        if n_words is not None:
+            from trainer.components.sample_index import open_mixture
+
+            paths = [(s.path, s.weight, s.max_epochs) for s in mix] or [(str(cfg.dataset_path), 1.0, None)]
+            seq_len = cfg.seq_len if cfg.seq_len is not None else 1  # validation's unset seq_len: training's
+            open_mixture(paths, seq_len, n_words, seed=0, shuffle=False)
+        return
     if cfg.dataset_path is not None:
         _local_files(cfg.dataset_path, section)
     elif not (spec := _registered(cfg.dataset, section)).hub:

@@ -16,6 +16,7 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +122,12 @@ class MetricsLogger:
         writer: ScalarWriters | None,
         is_logging_rank: bool,
         float8: bool = False,
+        data_tokens: Callable[[], dict[str, int]] | None = None,
     ) -> None:
-        """`flops_per_token` is counted under cfg.attention_flops (models/flops.py); mfu and tflops use it."""
+        """`flops_per_token` is counted under cfg.attention_flops (models/flops.py); mfu and tflops use it.
+        `data_tokens`: tokens read so far from each source of a token-file mix (logged as data_tokens/NAME)."""
         self.cfg = cfg
+        self.data_tokens = data_tokens
         self.float8 = float8  # also report mfu_fp8, against the float8 peak
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(device, cfg.peak_tflops)
@@ -180,6 +184,9 @@ class MetricsLogger:
             metrics["mfu_fp8"] = mfu_fp8
         if validation is not None:
             metrics["val_loss"], metrics["val_ppl"] = validation
+        by_source = self.data_tokens() if self.data_tokens is not None else {}
+        for name, n in by_source.items():
+            metrics[f"data_tokens/{name}"] = float(n)
         if self.is_logging_rank:
             steps_per_s = self._steps_since_log / elapsed if self._steps_since_log else 0.0
             eta = (total_steps - step) / steps_per_s if steps_per_s else 0.0
@@ -190,6 +197,9 @@ class MetricsLogger:
                 extra += "  mfu_fp8: " + ("n/a" if mfu_fp8 is None else f"{mfu_fp8:.2f}%")
             if validation is not None:
                 extra += f"  val_loss: {validation[0]:7.4f}  val_ppl: {validation[1]:.2f}"
+            if len(by_source) > 1:  # the mix so far, as shares of the tokens read
+                total = max(sum(by_source.values()), 1)
+                extra += "  mix: " + " ".join(f"{name} {100 * n / total:.2f}%" for name, n in by_source.items())
             logger.info(
                 format_step_line(
                     step, loss, metrics["memory_gib"], metrics["memory_pct"], tps, mfu, grad_norm, lr, extra

@@ -115,16 +115,27 @@ def _with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_resume(saved: dict[str, Any], current: dict[str, Any], where: str) -> list[str]:
-    """Raise CheckpointError for a refused change; return one warning line per handled or warned change."""
+def check_resume(
+    saved: dict[str, Any], current: dict[str, Any], where: str, allow_data_change: bool = False
+) -> list[str]:
+    """Raise CheckpointError for a refused change; return one warning line per handled or warned change.
+    `allow_data_change` (training.allow_data_change) turns a change of data into a warning: the new data continues
+    from the saved sample number."""
     saved, current = _with_defaults(saved), _with_defaults(current)
+    warnings = []
     for key, why in REFUSED.items():
+        if key == "data" and allow_data_change and saved.get(key) != current[key]:
+            warnings.append(
+                f"resuming {where} with changed data ({_difference(saved.get(key), current[key])}): "
+                "training.allow_data_change: this run's data continues from the checkpoint's sample number"
+            )
+            continue
         if saved.get(key) != current[key]:
             raise CheckpointError(
                 f"{where} was saved with other {key} ({_difference(saved.get(key), current[key])}): {why}; "
                 f"resume with the settings it was saved with, or start a new run in another checkpoint.folder"
+                + (" (or set training.allow_data_change to continue with this data)" if key == "data" else "")
             )
-    warnings = []
     for key in (*SCHEDULE, *OPTIMIZER):
         if saved.get(key) != current[key]:
             warnings.append(

@@ -25,6 +25,7 @@ import torch
 
 from kiln_base.errors import DataError
 from trainer.components.data import DataLoader
+from trainer.components.token_data import TokenFileLoader
 
 logger = logging.getLogger("kiln")
 
@@ -46,7 +47,7 @@ class Validator:
 
     def __init__(
         self,
-        open_loader: Callable[[], DataLoader],
+        open_loader: Callable[[], DataLoader | TokenFileLoader],
         loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         global_mean: Callable[[torch.Tensor], float],
         steps: int,
@@ -75,18 +76,18 @@ class Validator:
                     batches += 1
         finally:
             loader.close()
-        windows = loader.windows
+        source, window = loader.source, loader.window
         round_size = loader.dp_degree * loader.batch_size
         if batches == 0:
             raise DataError(
-                f"{windows.source} is too small for one validation batch: {round_size} sequences of "
-                f"validation.seq_len + 1 = {windows.window} tokens (validation.local_batch_size {loader.batch_size} "
+                f"{source} is too small for one validation batch: {round_size} sequences of "
+                f"validation.seq_len + 1 = {window} tokens (validation.local_batch_size {loader.batch_size} "
                 f"x {loader.dp_degree} data-parallel ranks)"
             )
         if batches < self.steps and not self.warned_short:
             self.warned_short = True
             logger.warning(
-                f"validation: {windows.source} holds {batches} batches of {round_size} sequences, fewer than "
+                f"validation: {source} holds {batches} batches of {round_size} sequences, fewer than "
                 f"validation.steps {self.steps}; each validation reads the whole set ({batches} batches)"
             )
         result = ValidationResult(self.global_mean(total / batches), batches)

@@ -1,0 +1,344 @@
+"""Tokenize text once into Megatron's indexed format (OUTPUT_PREFIX.bin + .idx), for training.dataset_path or
+training.dataset_mix (docs/data.md).
+
+    python scripts/tokenize_data.py INPUT OUTPUT_PREFIX [--workers N] [--tokenizer FILE] [--text-key text]
+                                    [--shard-mb 16] [--split train]
+    python scripts/tokenize_data.py --stats FILE.bin|FILE.npy     # the vocabulary check's sidecar, for files
+                                                                  # tokenized elsewhere
+
+INPUT: a .jsonl/.json/.parquet/.txt file, a folder of them (recursively, sorted), a Hugging Face dataset saved
+with save_to_disk (a folder holding state.json or dataset_dict.json), or any other name `datasets.load_dataset`
+opens (a local loading script or data folder, or a hub id with network). Every document is encoded with kiln's
+tokenizer as training's text path does, BOS ... EOS; uint16 tokens when the vocabulary fits, else int32.
+
+The input is cut into shards (line-aligned byte ranges of --shard-mb of a .jsonl/.txt file; a whole .json or
+.parquet file; 100,000 rows of a HF dataset), tokenized by --workers processes into OUTPUT_PREFIX.shards/, each
+shard's .bin/.idx renamed into place when complete. A re-run (after Ctrl-C or a crash) keeps the finished shards
+and does the rest; the shards are concatenated into OUTPUT_PREFIX.bin/.idx at the end, with the largest token id
+recorded in OUTPUT_PREFIX.bin.kiln.json (checked against the vocabulary at start of every run), and the shard
+folder removed. A record that is not a JSON object with a string text field stops it with one line naming the
+file and record (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from kiln_base.errors import DataError, UserError, say  # noqa: E402
+from trainer.components.data_sources import record_problem  # noqa: E402
+from trainer.components.token_files import (  # noqa: E402
+    max_token_id,
+    open_token_file,
+    read_index,
+    token_dtype,
+    write_index,
+    write_stats,
+)
+from trainer.components.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+
+FORMATS = (".jsonl", ".json", ".parquet", ".txt")
+HF_ROWS = 100_000  # rows per shard of a HF dataset
+
+
+@dataclass(frozen=True)
+class Shard:
+    source: str  # a file, or the HF dataset's name
+    start: int  # byte offset (jsonl/txt) or row (HF); 0 for a whole file
+    end: int  # -1: to the end
+
+
+def _input_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        files = sorted(os.path.join(r, f) for r, _, names in os.walk(path) for f in names if f.endswith(FORMATS))
+        if not files:
+            raise DataError(f"{path}: no {'/'.join(FORMATS)} files in this folder")
+        return files
+    if not path.endswith(FORMATS):
+        raise DataError(f"{path}: not a {'/'.join(FORMATS)} file")
+    return [path]
+
+
+def _is_saved_hf(path: str) -> bool:
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")
+    )
+
+
+def _open_hf(path: str, split: str):  # noqa: ANN202 (a datasets.Dataset)
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path) if _is_saved_hf(path) else datasets.load_dataset(path, split=split)
+    except Exception as e:  # whatever datasets says: the input is not readable as a dataset
+        raise DataError(f"{path}: cannot open as a Hugging Face dataset ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: no split '{split}' (has: {', '.join(ds)}); pass --split")
+        ds = ds[split]
+    return ds
+
+
+def plan_shards(path: str, shard_bytes: int, split: str) -> list[Shard]:
+    """The shards of the input, the same for any --workers (so a re-run with other workers keeps them)."""
+    if _is_saved_hf(path) or not os.path.exists(path):
+        n = len(_open_hf(path, split))
+        return [Shard(path, s, min(s + HF_ROWS, n)) for s in range(0, n, HF_ROWS)]
+    shards = []
+    for f in _input_files(path):
+        if not f.endswith((".jsonl", ".txt")):
+            shards.append(Shard(f, 0, -1))
+            continue
+        size, cuts = os.path.getsize(f), [0]
+        with open(f, "rb") as fh:
+            while cuts[-1] + shard_bytes < size:
+                fh.seek(cuts[-1] + shard_bytes)
+                fh.readline()  # to the end of the line the cut falls in
+                if fh.tell() >= size:
+                    break
+                cuts.append(fh.tell())
+        shards += [Shard(f, a, b) for a, b in zip(cuts, [*cuts[1:], -1], strict=True)]
+    return shards
+
+
+def _line_records(shard: Shard, text_key: str) -> Iterator[tuple[str, int]]:
+    """(text, 1-based line) of each record of a .jsonl/.txt byte range; DataError naming file, record and line."""
+    with open(shard.source, "rb") as fh:
+        before = fh.read(shard.start)
+        line, record = before.count(b"\n"), sum(1 for x in before.split(b"\n")[:-1] if x.strip())
+        end = shard.end if shard.end >= 0 else os.path.getsize(shard.source)
+        while fh.tell() < end:
+            raw = fh.readline()
+            line += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{shard.source}, record {record + 1} (line {line}): not UTF-8 (byte 0x{raw[e.start]:02x})"
+                ) from None
+            if shard.source.endswith(".txt"):
+                record += 1
+                yield text.rstrip("\r\n"), record
+                continue
+            if not text.strip():
+                continue
+            record += 1
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{shard.source}, record {record} (line {line}): not valid JSON ({e.msg}, column {e.colno})"
+                ) from None
+            problem = record_problem(value, text_key)
+            if problem is not None:
+                raise DataError(
+                    f"{shard.source}, record {record} (line {line}): {problem}; "
+                    f"every record needs a string '{text_key}' field"
+                )
+            yield value[text_key], record
+
+
+def _records(shard: Shard, text_key: str, split: str) -> Iterator[str]:
+    if shard.source.endswith((".jsonl", ".txt")) and os.path.isfile(shard.source):
+        for text, _ in _line_records(shard, text_key):
+            yield text
+        return
+    if shard.source.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(shard.source).to_pylist()
+        except (OSError, ValueError) as e:
+            raise DataError(f"{shard.source}: cannot read as parquet: {e}") from None
+    elif shard.source.endswith(".json") and os.path.isfile(shard.source):
+        try:
+            with open(shard.source, encoding="utf-8") as fh:
+                rows = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{shard.source}: cannot read as JSON: {e}") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{shard.source}: a JSON file must hold an array of records (or use .jsonl)")
+    else:
+        rows = _open_hf(shard.source, split).select(range(shard.start, shard.end))
+    for i, row in enumerate(rows):
+        problem = record_problem(row, text_key)
+        if problem is not None:
+            raise DataError(
+                f"{shard.source}, record {shard.start + i + 1}: {problem}; "
+                f"every record needs a string '{text_key}' field"
+            )
+        yield row[text_key]
+
+
+_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(tokenizer_path)
+
+
+def tokenize_shard(job: tuple[int, Shard, str, str, str]) -> tuple[int, int, int, int, str | None]:
+    """Tokenize one shard into work/NNNNNN.bin/.idx; (shard, documents, tokens, largest id, error line or None)."""
+    n, shard, work, text_key, split = job
+    assert _TOKENIZER is not None
+    dtype = token_dtype(_TOKENIZER.n_words)
+    prefix = os.path.join(work, f"{n:06d}")
+    lengths, high = [], -1
+    try:
+        with open(prefix + ".bin.tmp", "wb") as out:
+            for text in _records(shard, text_key, split):
+                ids = np.array(_TOKENIZER.encode(text, bos=True, eos=True), dtype=dtype)
+                out.write(ids.tobytes())
+                lengths.append(len(ids))
+                high = max(high, int(ids.max()))
+    except UserError as e:
+        return n, 0, 0, -1, e.line()
+    write_index(prefix + ".idx.tmp", dtype, np.array(lengths, dtype=np.int32))
+    os.replace(prefix + ".bin.tmp", prefix + ".bin")
+    os.replace(prefix + ".idx.tmp", prefix + ".idx")  # last: a shard is done when its .idx exists
+    with open(prefix + ".json", "w") as f:
+        json.dump({"max_token_id": high}, f)
+    return n, len(lengths), int(sum(lengths)), high, None
+
+
+def merge(work: str, n_shards: int, output: str, dtype: np.dtype) -> tuple[int, int, int]:
+    """Concatenate the shards into output.bin/.idx (+ the stats sidecar); (documents, tokens, largest id)."""
+    lengths, high = [], -1
+    with open(output + ".bin.tmp", "wb") as out:
+        for n in range(n_shards):
+            prefix = os.path.join(work, f"{n:06d}")
+            _, shard_lengths, _, _ = read_index(prefix + ".idx", prefix + ".bin")  # checks the pair agrees
+            lengths.append(np.array(shard_lengths))
+            with open(prefix + ".bin", "rb") as src:
+                shutil.copyfileobj(src, out, 1 << 24)
+            with open(prefix + ".json") as f:
+                high = max(high, int(json.load(f)["max_token_id"]))
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+    write_index(output + ".idx", dtype, all_lengths)
+    os.replace(output + ".bin.tmp", output + ".bin")
+    write_stats(output + ".bin", high, int(all_lengths.sum()))
+    return len(all_lengths), int(all_lengths.sum()), high
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
+def tokenize(
+    input_path: str, output: str, workers: int, tokenizer_path: str, text_key: str, shard_mb: float, split: str
+) -> None:
+    tokenizer = load_tokenizer(tokenizer_path)
+    dtype = token_dtype(tokenizer.n_words)
+    shards = plan_shards(input_path, int(shard_mb * 2**20), split)
+    work = output + ".shards"
+    os.makedirs(work, exist_ok=True)
+    with open(tokenizer_path, "rb") as f:
+        tok_sha = hashlib.sha256(f.read()).hexdigest()
+    plan = {"shards": [asdict(s) for s in shards], "tokenizer_sha256": tok_sha, "text_key": text_key}
+    plan_path = os.path.join(work, "plan.json")
+    if os.path.isfile(plan_path):
+        with open(plan_path) as f:
+            if json.load(f) != plan:
+                raise DataError(
+                    f"{work} holds shards of another input, tokenizer or --shard-mb; delete it to "
+                    "start over, or re-run with the options it was started with"
+                )
+    else:
+        with open(plan_path, "w") as f:
+            json.dump(plan, f)
+    todo = [n for n in range(len(shards)) if not os.path.isfile(os.path.join(work, f"{n:06d}.idx"))]
+    sizes = [os.path.getsize(s.source) if os.path.isfile(s.source) else 1 for s in shards]
+    weight = [(s.end if s.end >= 0 else sz) - s.start for s, sz in zip(shards, sizes, strict=True)]
+    total, done = sum(weight), sum(weight[n] for n in range(len(shards)) if n not in todo)
+    print(
+        f"{input_path}: {len(shards)} shards, {len(shards) - len(todo)} already done; {workers} worker(s), "
+        f"tokenizer {tokenizer_path} ({tokenizer.n_words} words, {dtype.name} tokens)",
+        file=sys.stderr,
+    )
+    jobs = [(n, shards[n], work, text_key, split) for n in todo]
+    t0, docs, tokens, last = time.perf_counter(), 0, 0, 0.0
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+        for n, d, t, _, error in pool.imap_unordered(tokenize_shard, jobs):
+            if error is not None:
+                pool.terminate()
+                raise DataError(error.removeprefix("kiln: error: "))
+            docs, tokens, done = docs + d, tokens + t, done + weight[n]
+            now = time.perf_counter()
+            if now - last > 1.0 or done == total:
+                rate = tokens / max(now - t0, 1e-9)
+                frac = done / max(total, 1)
+                eta = (now - t0) / max(frac - (1 - sum(weight[m] for m in todo) / max(total, 1)), 1e-9) * (1 - frac)
+                print(
+                    f"  {100 * frac:5.1f}%  {docs:,} documents  {tokens:,} tokens  {rate:,.0f} tokens/s  "
+                    f"ETA {_hms(eta)}",
+                    file=sys.stderr,
+                )
+                last = now
+    n_docs, n_tokens, high = merge(work, len(shards), output, dtype)
+    shutil.rmtree(work)
+    elapsed = time.perf_counter() - t0
+    print(
+        f"wrote {output}.bin/.idx: {n_docs:,} documents, {n_tokens:,} tokens ({dtype.name}), largest id {high}; "
+        f"{tokens:,} tokens tokenized in {elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} tokens/s, {workers} "
+        f"worker(s))"
+    )
+
+
+def stats(path: str) -> None:
+    """The sidecar of a token file made elsewhere: its largest id, read in chunks."""
+    tf = open_token_file(path, n_words=1)
+    t0 = time.perf_counter()
+    high = max_token_id(tf.tokens)
+    write_stats(path, high, tf.n_tokens)
+    print(f"wrote {path}.kiln.json: {tf.n_tokens:,} tokens, largest id {high} ({time.perf_counter() - t0:.1f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", nargs="?", help="text file, folder, or Hugging Face dataset")
+    p.add_argument("output_prefix", nargs="?", help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--tokenizer", default=os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
+    p.add_argument("--text-key", default="text", help="the field holding each record's text")
+    p.add_argument("--shard-mb", type=float, default=16.0, help="MB of a .jsonl/.txt file per shard")
+    p.add_argument("--split", default="train", help="the split of a Hugging Face dataset")
+    p.add_argument("--stats", metavar="FILE", help="write FILE.kiln.json (largest id) for a token file and exit")
+    a = p.parse_args(argv)
+    try:
+        if a.stats:
+            stats(a.stats)
+        elif a.input is None or a.output_prefix is None:
+            p.error("INPUT and OUTPUT_PREFIX are required (or --stats FILE)")
+        else:
+            if a.workers < 1:
+                p.error("--workers must be >= 1")
+            out_dir = os.path.dirname(os.path.abspath(a.output_prefix))
+            os.makedirs(out_dir, exist_ok=True)
+            tokenize(a.input, a.output_prefix, a.workers, a.tokenizer, a.text_key, a.shard_mb, a.split)
+    except UserError as e:
+        say(e.line())
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished shards are kept; re-run the same command to go on", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

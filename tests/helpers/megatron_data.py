@@ -1,0 +1,50 @@
+"""Megatron-LM's own indexed-dataset writer (megatron-core, kiln's dev extra), for the tests that check kiln reads
+what Megatron, NeMo and GPT-NeoX write: the bundled corpus, tokenized with kiln's tokenizer as Megatron's
+preprocess_data.py does (one document per record, BOS ... EOS), into a `.bin`/`.idx` pair of int32 tokens."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.helpers.common import ROOT
+from tests.helpers.data import TOKENIZER
+
+CORPUS = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
+
+
+def corpus_documents(limit: int | None = None) -> list[list[int]]:
+    docs = []
+    with open(CORPUS) as f:
+        for line in f:
+            if line.strip() and (limit is None or len(docs) < limit):
+                docs.append(TOKENIZER.encode(json.loads(line)["text"], bos=True, eos=True))
+    return docs
+
+
+def megatron_write(prefix: Path, docs: list[list[int]], dtype: type = np.int32) -> Path:
+    """prefix.bin/.idx written by megatron.core's IndexedDatasetBuilder; returns the prefix."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its import warns about optional packages (apex, transformer-engine)
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in docs:
+        builder.add_item(torch.tensor(doc, dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def megatron_read(prefix: Path) -> list[list[int]]:
+    """Every document of prefix.bin/.idx as megatron.core's IndexedDataset reads it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(str(prefix))
+    return [ds[i].tolist() for i in range(len(ds))]
