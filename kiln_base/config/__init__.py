@@ -25,7 +25,6 @@ from kiln_base.config.checks import (
     check_parallel_plan,
     check_pipeline_device,
     check_ranges,
-    check_rowwise_fused_cast_machine,
     check_same_model,
     check_torchao,
 )
@@ -171,7 +170,6 @@ __all__ = [
     "check_overrides_match_stored",
     "check_parallel_plan",
     "check_pipeline",
-    "check_rowwise_fused_cast_machine",
     "check_pipeline_device",
     "check_ranges",
     "check_same_model",
