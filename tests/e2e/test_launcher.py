@@ -323,7 +323,11 @@ def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
     env = {"PATH": str(bin_dir)}  # and NGPU=1, nothing else; bash itself is started by its full path
     proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "neither python nor python3 is on PATH")
-    (bin_dir / "python3").symlink_to(sys.executable)
+    # A wrapper, not a symlink: a venv's interpreter run through a link in another folder no longer finds its
+    # pyvenv.cfg and starts without the venv's packages.
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
     proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3
 

@@ -9,10 +9,12 @@ MASTER_PORT) is set too, so code under test that calls `init_process_group("gloo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,17 +26,35 @@ from tests.helpers.common import free_port, run_trainer
 TIMEOUT_S = 600
 
 
-def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, ports: tuple[int, int], results: Any, fn: Callable[..., Any], args: tuple
+) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(ports[0]),
     )
     torch.set_num_threads(1)  # N ranks share the machine's cores; idle OpenMP threads would spin
+    # The group's store, hosted by rank 0 and held here (not by the group) until every rank is done: rank 0 ending
+    # its group (or returning) while another rank still created a group through the store (DeviceMesh's new_group)
+    # reset that rank's connection. Its own port: MASTER_PORT stays free for code under test that initialises a
+    # group from the environment after fn's Trainer closed this one. Only the store meets the ranks at the end, no
+    # collective: a rank whose fn failed, or left the group closed or reopened, still reaches it.
+    store = dist.TCPStore("127.0.0.1", ports[1], world_size, is_master=rank == 0, timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         results.put((rank, True, fn(*args)))
     except BaseException:  # report any failure (also assertion errors) to the parent with the traceback
         results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))
     finally:
+        store.set(f"done/{rank}", "1")
+        if rank == 0:  # the host waits for the others before its store (and group) go
+            try:
+                store.wait([f"done/{r}" for r in range(world_size)], timedelta(seconds=60))
+            except Exception:  # a rank that died never signals; the parent reports it
+                pass
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -42,15 +62,26 @@ def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..
 # The ranks are forked from a forkserver that has imported torch and the Trainer once: a freshly spawned rank
 # spends ~5 s of CPU importing them, which on 2 cores was minutes of the suite. The forkserver is a clean
 # single-threaded process (unlike this one, which holds threads), so forking from it is safe.
-_PRELOAD = ["torch", "torch.distributed", "trainer.train", "tests.helpers.common", "tests.helpers.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "trainer.trainer", "tests.helpers.common", "tests.helpers.distributed"]
+
+
+def check_preload(modules: Sequence[str]) -> None:
+    """Fail unless every module exists: the forkserver ignores a preload it cannot import (a renamed module then
+    silently costs each rank its imports again)."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"forkserver preload: no module named {', '.join(missing)}")
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run fn(*args) on `world_size` gloo ranks; return the per-rank results, rank 0 first."""
+    check_preload(_PRELOAD)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results, fn, args)) for r in range(world_size)]
+    results, ports = ctx.Queue(), (free_port(), free_port())
+    while ports[1] == ports[0]:
+        ports = (ports[0], free_port())
+    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, results, fn, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
