@@ -166,10 +166,10 @@ def _run(argv: list[str] | None, started: list) -> int:
         try:
             trainer.train()
         except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
-            line = _lost_peers(trainer, e)
-            if line is None:  # no rank is gone: not a lost peer, the traceback is the report
+            lost = _lost_peers(trainer, e)
+            if lost is None:  # no rank is gone: not a lost peer, the traceback is the report
                 raise
-            raise PeersLost(line) from None
+            raise PeersLost(*lost) from None
         finally:
             trainer.close()  # a background save that fails here (a full disk) is a KilnExit too
     except KilnExit as e:  # a user mistake met mid-run, a non-finite loss, a SIGTERM stop, lost ranks
@@ -177,11 +177,15 @@ def _run(argv: list[str] | None, started: list) -> int:
     return DONE
 
 
-def _lost_peers(trainer: Trainer, e: Exception) -> str | None:
+def _lost_peers(trainer: Trainer, e: Exception) -> tuple[str, str] | None:
     """One line when `e` came with the loss of other ranks (they stopped beating, trainer/components/dist.py):
-    which ranks and nodes, in which step, the backend's first line; None when every rank is alive."""
+    which ranks and nodes, in which step, the backend's first line; and what was lost with where this rank found
+    out, for the launcher. None when every rank is alive. This rank first says it is alive and leaving (its
+    collective failed, it did not fail): the others then name only the ranks that died, even if torchrun stops
+    this one while it looks."""
     if trainer.peers is None:
         return None
+    trainer.peers.leave()
     lost = trainer.peers.lost_ranks()  # waits a few seconds: long enough to tell a gone rank from a busy one
     if lost == []:
         return None
@@ -189,11 +193,13 @@ def _lost_peers(trainer: Trainer, e: Exception) -> str | None:
     reason = re.sub(r"^\[[^\]]*\] ", "", reason)  # gloo's "[.../pair.cc:537] " source position
     reason = reason if len(reason) <= 160 else reason[:157] + "..."
     rank = int(os.environ.get("RANK", 0))
-    return (
-        f"rank {rank} stopped in step {trainer.step}: "
-        f"{trainer.peers.describe(lost)}; a collective failed ({reason}); torchrun restarts the job "
-        "(MAX_RESTARTS) from the newest complete checkpoint"
+    what = trainer.peers.describe(lost)
+    line = (
+        f"rank {rank} stopped in step {trainer.step}: {what}; a collective failed ({reason}); torchrun restarts the "
+        "job (MAX_RESTARTS) from the newest complete checkpoint"
     )
+    gone = what if lost is not None else "lost rank 0's node (the job's store is unreachable)"
+    return line, f"{gone} (rank {rank} found out in step {trainer.step})"
 
 
 if __name__ == "__main__":
