@@ -27,7 +27,7 @@ import pytest
 
 import launch
 from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port
-from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, run_kiln, start_kiln
+from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, children, run_kiln, start_kiln
 
 TIMEOUT_S = 600
 COLLECTIVE_TIMEOUT_S = 30  # comm.train_timeout_seconds of these runs
@@ -356,19 +356,6 @@ def _kill_and_replace(endpoint: str, dump: Path, started: list[Node]) -> tuple[s
 # ----------------------------------------------------------------------------- one rank of a node killed
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`, oldest first (torchrun forks a CPU node's ranks in local-rank order)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(kids)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_kill_9_of_one_rank_names_that_rank_only(tmp_path: Path) -> None:
@@ -382,7 +369,7 @@ def test_kill_9_of_one_rank_names_that_rank_only(tmp_path: Path) -> None:
     threading.Thread(target=node._pump, daemon=True).start()
     try:
         node.wait_for("step:  2 ")
-        ranks = _children(node.proc.pid)
+        ranks = children(node.proc.pid)
         assert len(ranks) == 4, ranks
         os.kill(ranks[3], signal.SIGKILL)
         rc, out = node.finish()
