@@ -110,8 +110,24 @@ def _log_paths(cfg: JobConfig) -> None:
     log.info(f"Dataset: {_dataset_name(cfg.training.dataset, cfg.training.dataset_path)}")
     if cfg.validation.enable:
         log.info(f"Validation dataset: {_dataset_name(cfg.validation.dataset, cfg.validation.dataset_path)}")
+        t, v = cfg.training, cfg.validation
+        if _data_source(t.dataset, t.dataset_path) == _data_source(v.dataset, v.dataset_path):
+            log.warning(
+                "Validation reads the training data: its loss measures the fit to data it trains on, not to "
+                "held-out data; point validation.dataset or validation.dataset_path at a held-out split"
+            )
     if cfg.checkpoint.enable_checkpoint:
         log.info(f"Checkpoint folder: {os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)}")
+
+
+def _data_source(name: str, path: str | None) -> str:
+    """Where a dataset is read from: its local file or folder (real path), else its hub id, config and split."""
+    from trainer.components.data_sources import DATASETS
+
+    spec = DATASETS.get(name)
+    if path is None and spec is not None and spec.hub:
+        return f"{spec.path} {spec.hub_config} {spec.split}"
+    return os.path.realpath(path or (spec.path if spec else name))
 
 
 def _dataset_name(name: str, path: str | None) -> str:

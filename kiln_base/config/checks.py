@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kiln_base.config.schema import (
+    BF16_WIRE,
     FROM_CHECKPOINT,
     PP_SCHEDULES,
     PP_ZERO_BUBBLE,
@@ -251,6 +252,7 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
         p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp=cp, pp=pp
     )
     grad_accum_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard)
+    check_bf16_wire(cfg.training, p.data_parallel_replicate_degree, dp_shard * cp)
     check_sequence_split(cfg.training.seq_len, p)
     if cfg.validation.enable:  # validation batches are split the same way
         check_sequence_split(validation_shape(cfg.validation, cfg.training)[1], p, "validation.seq_len")
@@ -526,6 +528,7 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "_flex/_varlen) or context_parallel_degree 1"
         )
     check_pipeline(cfg, shape)
+    check_float8_blocks(cfg.float8, shape.n_layers)
     if shape.attn_type == "varlen" and device_type != "cuda":
         flavor = cfg.model.flavor
         flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
@@ -835,4 +838,38 @@ def check_float8_cpu(cfg: Float8, torch_version: str, cpu_rowwise: bool) -> None
         raise ConfigError(
             f"float8.recipe_name {cfg.recipe}: torch {torch_version}'s CPU float8 matmul takes per-tensor scales "
             "only; use recipe_name tensorwise, add --float8.emulate, or torch >= 2.13 on a CPU"
+        )
+
+
+def check_float8_blocks(cfg: Float8, n_layers: int) -> None:
+    """The precision policy's block counts against the model, before the build: a count beyond the model's blocks,
+    or counts that keep every block in high precision (no Linear left to train in float8; the check after the build
+    could only blame float8.filter_fqns), are refused naming the key."""
+    if not cfg.enable_float8_linear:
+        return
+    first_last, last = cfg.high_precision_first_last, cfg.high_precision_last
+    for key, value in (("high_precision_first_last", first_last), ("high_precision_last", last)):
+        if value > n_layers:
+            raise ConfigError(f"float8.{key} {value} is more than the model's {n_layers} transformer blocks")
+    last_blocks = cfg.high_precision_last_blocks(n_layers)
+    kept = [b for b in range(n_layers) if b < first_last or b >= n_layers - max(first_last, last_blocks)]
+    output_kept = any(f in "output" for f in cfg.filter_fqns)  # the one Linear outside the blocks
+    if len(kept) == n_layers and output_kept:
+        given = (("high_precision_first_last", first_last), ("high_precision_last", last))
+        keys = [f"float8.{k} {v}" for k, v in given if v > 0]
+        raise ConfigError(
+            f"{' and '.join(keys)} keep{'s' * (len(keys) == 1)} all {n_layers} transformer blocks in high precision "
+            f"(and float8.filter_fqns the output): no Linear would train in float8; keep fewer blocks (at most "
+            f"{n_layers - 1} in all) or drop float8.enable_float8_linear"
+        )
+
+
+def check_bf16_wire(t: Training, dp_replicate: int, fsdp_ranks: int) -> None:
+    """bfloat16_wire is FSDP's reduce-scatter (dp_shard x cp ranks) in bfloat16 with a float32 sum; plain
+    replication has none, and its all-reduce would silently stay float32: refused, naming what would work."""
+    if t.mixed_precision_reduce == BF16_WIRE and fsdp_ranks == 1 and dp_replicate > 1:
+        raise ConfigError(
+            f"training.mixed_precision_reduce {BF16_WIRE} sends FSDP's reduce-scatter in bfloat16, and plain "
+            f"replication (data_parallel_replicate_degree {dp_replicate}, data_parallel_shard_degree 1) has none: "
+            "its all-reduce would run in float32; use float32 or bfloat16, or shard (data_parallel_shard_degree > 1)"
         )
