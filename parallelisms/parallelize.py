@@ -29,6 +29,7 @@ from kiln_base.config import BF16_WIRE, ActivationCheckpoint, Float8, Parallelis
 from kiln_base.internals import (
     enable_emulate_precision_casts,
     enable_micro_pipeline_tp,
+    enable_tiled_reductions,
     fsdp_reduce_tp_partial_grads_in_reduce_dtype,
 )
 from parallelisms.activation_checkpoint import apply_ac
@@ -116,6 +117,9 @@ def apply_compile(model: Transformer, float8: Float8) -> None:
     if float8.enable_float8_linear and float8.recipe_name in ("rowwise", "rowwise_with_gw_hp"):
         enable_emulate_precision_casts()
         logger.info("float8 rowwise + compile: inductor emulate_precision_casts on (pytorch#150859)")
+    if float8.enable_float8_linear:
+        enable_tiled_reductions()
+        logger.info("float8 + compile: inductor tile_reductions on (coalesced transposed float8 copies)")
     for name, block in model.layers.named_children():
         compiled = cast(nn.Module, torch.compile(block, fullgraph=True))  # an OptimizedModule
         # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
