@@ -26,23 +26,24 @@ from tests.helpers.common import free_port, run_trainer
 TIMEOUT_S = 600
 
 
-def _worker(
-    rank: int, world_size: int, ports: tuple[int, int], results: Any, fn: Callable[..., Any], args: tuple
-) -> None:
+def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:
+    # As under torchrun: the job's store at MASTER_ADDR:MASTER_PORT is hosted outside the process group (here by
+    # this function on rank 0, there by torchrun's agent) and every group initialised from the environment
+    # connects to it as a client (TORCHELASTIC_USE_AGENT_STORE), also one that code under test opens after a
+    # Trainer closed this one, and kiln's lost-rank watch. Held until every rank is done: rank 0 ending its group
+    # (then its store) while another rank still created a group through the store (DeviceMesh's new_group) reset
+    # that rank's connection, once in a full run. The ranks meet at the end through the store only, no
+    # collective: a rank whose fn failed, or left the group closed or reopened, still reaches it.
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(ports[0]),
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     torch.set_num_threads(1)  # N ranks share the machine's cores; idle OpenMP threads would spin
-    # The group's store, hosted by rank 0 and held here (not by the group) until every rank is done: rank 0 ending
-    # its group (or returning) while another rank still created a group through the store (DeviceMesh's new_group)
-    # reset that rank's connection. Its own port: MASTER_PORT stays free for code under test that initialises a
-    # group from the environment after fn's Trainer closed this one. Only the store meets the ranks at the end, no
-    # collective: a rank whose fn failed, or left the group closed or reopened, still reaches it.
-    store = dist.TCPStore("127.0.0.1", ports[1], world_size, is_master=rank == 0, timeout=timedelta(seconds=TIMEOUT_S))
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=TIMEOUT_S))
     try:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         results.put((rank, True, fn(*args)))
@@ -78,10 +79,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     check_preload(_PRELOAD)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    results, ports = ctx.Queue(), (free_port(), free_port())
-    while ports[1] == ports[0]:
-        ports = (ports[0], free_port())
-    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, results, fn, args)) for r in range(world_size)]
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results, fn, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
