@@ -322,7 +322,9 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
             if node.proc.poll() is None:
                 node.kill()
     print(f"detected {detect_s:.1f} s after the kill: {line.strip()}")
-    assert detect_s < COLLECTIVE_TIMEOUT_S
+    # Found by the closed connections, not by waiting out the collective timeout: a verdict that holds under any
+    # load (the seconds do not: 5.5 s idle, 72 s at a load average of 35 on the 2 cores).
+    assert "Connection closed by peer" in line and "Timed out" not in line, line
     resume = 2 * ((stopped - 1) // 2)  # the newest checkpoint complete before the step that failed
     loaded = f"Loaded checkpoint {tmp_path / 'checkpoint' / f'step-{resume}'} (full state)"
     assert loaded in out0, out0[-4000:]
