@@ -15,10 +15,10 @@ The 32-layer, 8-GPU step is then, per GPU (each GPU still trains seq 8192 x loca
     blocks x 32/8  +  rest  +  optimizer x (8B parameters / GPUs) / (8-layer parameters)  +  exposed communication
 
 Assumptions, stated because they decide the figure:
-- FSDP2 prefetches the next block's all-gather and overlaps each block's reduce-scatter with the next block's
-  backward, so only the root's (embedding, output, final norm) and the first block's all-gather before the first
-  forward, and the root's and first block's reduce-scatter after the last backward, are exposed. The script checks
-  that one block's communication fits in its compute (else the excess counts too).
+- FSDP2 (kiln's groups: the embedding, each block, the final norm with the output layer) prefetches the next
+  group's all-gather and overlaps each reduce-scatter with the next group's backward, so only the embedding's and
+  the first block's all-gathers before the first forward, and their reduce-scatters after the last backward, are
+  exposed. The script checks that one block's communication fits in its compute (else the excess counts too).
 - Communication time is bytes x (n-1)/n / the link's bus bandwidth (`--link-gbs`, default 350 GB/s: NCCL's
   all-gather bus bandwidth on 8 NVLink-4 H100/H200s is ~350-370 GB/s); weights gathered in bf16 (fp8 with
   `--fp8-allgather`), gradients reduced in fp32 (kiln's default `training.mixed_precision_reduce`).
@@ -54,7 +54,12 @@ STEPS = re.compile(r"over (?P<n>\d+) steps")
 class Shape:
     params: int  # all parameters (the optimizer updates every one)
     block_params: int  # one transformer block
-    root_params: int  # embedding, output and final norm (FSDP's root group)
+    embedding_params: int  # FSDP's first group (parallelisms/parallelize.py's apply_fsdp)
+    head_params: int  # the final norm and the output layer: FSDP's last group
+
+    @property
+    def n_layers(self) -> int:
+        return round((self.params - self.embedding_params - self.head_params) / self.block_params)
 
 
 def shape(n_layers: int, vocab_size: int = 128256) -> Shape:
@@ -67,7 +72,8 @@ def shape(n_layers: int, vocab_size: int = 128256) -> Shape:
         model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in next(iter(model.layers.children())).parameters())
-    return Shape(total, block, total - n_layers * block)
+    embedding = model.tok_embeddings.weight.numel()
+    return Shape(total, block, embedding, total - n_layers * block - embedding)
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,7 @@ def project(
     fp8_allgather: bool = False,
     comm_slowdown: float = 0.0,
 ) -> Projection:
-    layers_measured = round((measured.params - measured.root_params) / measured.block_params)
-    layers_full = round((full.params - full.root_params) / full.block_params)
+    layers_measured, layers_full = measured.n_layers, full.n_layers
     blocks = p.blocks_ms * layers_full / layers_measured * (1 + comm_slowdown)
     rest = p.step_ms - p.blocks_ms - p.optimizer_ms
     optimizer = p.optimizer_ms * (full.params / gpus) / measured.params
@@ -121,13 +126,17 @@ def project(
     def ms(params: int, bytes_per: float) -> float:
         return params * bytes_per * share / (link_gbs * 1e9) * 1e3
 
-    gather = 1.0 if fp8_allgather else 2.0  # bytes per weight on the wire
+    gather = 1.0 if fp8_allgather else 2.0  # bytes per block weight on the wire (bf16, or float8 all-gather)
     # forward gather + backward re-gather (reshard after forward) + an fp32 reduce-scatter, per block
     block_comm = 2 * ms(full.block_params, gather) + ms(full.block_params, 4.0)
     block_compute = blocks / layers_full
-    exposed = ms(full.root_params, 2.0) + ms(full.block_params, gather)  # before the first forward
-    exposed += ms(full.root_params, 4.0) + ms(full.block_params, 4.0)  # after the last backward
+    # Nothing runs before the embedding's and the first block's all-gathers, nor after the first block's and the
+    # embedding's reduce-scatters; the head (norm + output) is gathered during the last block's forward and reduced
+    # during its backward; every other block's collectives overlap a neighbour's compute.
+    exposed = ms(full.embedding_params, 2.0) + ms(full.block_params, gather)
+    exposed += ms(full.block_params, 4.0) + ms(full.embedding_params, 4.0)
     exposed += layers_full * max(block_comm - block_compute, 0.0)
+    exposed += max(ms(full.head_params, 2.0) + ms(full.head_params, 4.0) - block_compute, 0.0)
     return Projection(blocks, rest, optimizer, exposed, block_comm, blocks + rest + optimizer + exposed)
 
 

@@ -2,8 +2,9 @@
 # GPU speed work (issue 42) in budgeted parts, each one device command (docs/performance.md, "GPU figures, part two"):
 #   bash scripts/gpu_speed.sh diag  [budget s]   optimizer kernels; bf16 and tensorwise profiles with their top
 #                                                kernels and Inductor's generated code; an Inductor tuning row
-#   bash scripts/gpu_speed.sh rows  [budget s]   the rows after the changes, torchtitan's missing rows, the
-#                                                fused rowwise cast check, flex vs causal, bf16 moments' loss cost
+#   bash scripts/gpu_speed.sh rows  [budget s]   rows with and without inductor's tiled reductions, their loss
+#                                                curves, torchtitan's missing rows, CUDA graphs, flex vs causal, a
+#                                                longer kiln-vs-torchtitan run, the compiled saved-activation report
 # Needs gpu_bundle/ (python scripts/prepare_gpu_run.py). Results: $OUT/<part>.tgz and the printed tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,23 +74,19 @@ loss() {
     tail -2 "$RES/loss_$name.log"
 }
 if [[ $PART == rows ]]; then
-    step fused_check 60 timeout 100 python3 scripts/gpu_rowwise_fused_check.py
+    step rowwise_no_tiles 45 row no_tiles rowwise "${NO_TILES[@]}"
+    step rowwise 45 row tiles rowwise
     step tensorwise 40 row tiles tensorwise
     step tensorwise_no_tiles 40 row no_tiles tensorwise "${NO_TILES[@]}"
-    step rowwise 45 row tiles rowwise
-    step rowwise_no_tiles 45 row no_tiles rowwise "${NO_TILES[@]}"
-    step rowwise_fused 45 row fused rowwise -- --float8.rowwise_fused_cast
-    step bf16 40 row tiles bf16
+    step bf16 35 row tiles bf16
+    # each change against today's loss curve: 100 steps of the debug model, compiled
+    step loss_tiles 50 bash -c "$(declare -f loss); RES=$RES; loss tensorwise_tiles --float8.enable_float8_linear; \
+        loss tensorwise_no_tiles --float8.enable_float8_linear ${NO_TILES[*]:1}"
     step tt_tensorwise 45 python3 benchmarks/run.py --preset llama3_8b_8l --engine torchtitan --precision tensorwise \
         --warmup 2 --steps 4 --timeout 100 --out "$RES/tiles"
     step tt_rowwise_with_gw_hp 45 python3 benchmarks/run.py --preset llama3_8b_8l --engine torchtitan \
         --precision rowwise_with_gw_hp --warmup 2 --steps 4 --timeout 100 --out "$RES/tiles"
-    # each change against today's loss curve: 100 steps of the debug model, compiled
-    step loss_tiles 50 bash -c "$(declare -f loss); RES=$RES; loss tensorwise_tiles --float8.enable_float8_linear; \
-        loss tensorwise_no_tiles --float8.enable_float8_linear ${NO_TILES[*]:1}"
-    step loss_fused 50 bash -c "$(declare -f loss); RES=$RES; loss rowwise --float8.enable_float8_linear \
-        --float8.recipe_name rowwise; loss rowwise_fused --float8.enable_float8_linear --float8.recipe_name rowwise \
-        --float8.rowwise_fused_cast"
+    step cudagraphs 45 row cudagraphs tensorwise -- --bench.inductor triton.cudagraphs=true
     step flex 45 row flex bf16 -- --model.flavor 8B_flex
     step kiln_bf16_long 45 python3 benchmarks/run.py --preset llama3_8b_8l --precision bf16 --warmup 3 --steps 12 \
         --timeout 100 --out "$RES/long"
@@ -99,7 +96,7 @@ if [[ $PART == rows ]]; then
         --float8.recipe_name rowwise --activation_checkpoint.mode selective \
         --activation_checkpoint.selective_ac_option op --training.seq_len 2048 --training.local_batch_size 4 \
         --profiling.saved_activations_report --job.dump_folder "$RES/outputs/report"
-    for d in tiles no_tiles fused flex long; do
+    for d in tiles no_tiles cudagraphs flex long; do
         [[ -f $RES/$d/results.jsonl ]] && python3 benchmarks/run.py --preset llama3_8b_8l --summary --out "$RES/$d"
     done
     python3 benchmarks/projection.py --results "$RES/tiles"
