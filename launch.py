@@ -48,6 +48,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from kiln_base.errors import DONE, ERROR_FILE_ENV, PEER_LOST, USER_ERROR, ConfigError, say
+from kiln_base.errors import DONE, ERROR_FILE_ENV, LOST_FILE_ENV, PEER_LOST, USER_ERROR, ConfigError, say
 
 KILN_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(KILN_DIR, "train_configs", "debug_model.toml")
@@ -208,6 +209,9 @@ def _log_ranks(value: str, nproc: int) -> str:
 def main(argv: list[str]) -> int:
     fd, error_file = tempfile.mkstemp(prefix="kiln_error_", suffix=".txt")
     os.close(fd)
+    fd, lost_file = tempfile.mkstemp(prefix="kiln_lost_", suffix=".txt")
+    os.close(fd)
+    os.environ[LOST_FILE_ENV] = lost_file  # what the ranks that found others gone lost (kiln_base/errors.py)
     real_stderr = sys.stderr
     # Before torch is imported: its log handler and torchrun's rank-output tee capture sys.stderr as it is then.
     sys.stderr = QuietAfterUserError(real_stderr, error_file)
@@ -216,6 +220,7 @@ def main(argv: list[str]) -> int:
     finally:
         sys.stderr = real_stderr
         os.unlink(error_file)
+        os.unlink(lost_file)
 
 
 def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
@@ -294,7 +299,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     try:
         record(launch)()  # record: torchrun's own failure summary, as `torchrun` has it
     except ChildFailedError as e:
-        reported = failure_report(e, error_file, max_restarts, real_stderr)
+        reported = failure_report(e, error_file, os.environ[LOST_FILE_ENV], max_restarts, real_stderr)
         if reported is None:
             raise  # not a user mistake nor a lost rank: torchrun's report and exit status, unchanged
         return reported
@@ -330,21 +335,31 @@ def forked_rank(argv: list[str]) -> int:
     return DONE
 
 
-def failure_report(e: Any, error_file: str, max_restarts: int, stream: TextIO) -> int | None:
+def failure_report(e: Any, error_file: str, lost_file: str, max_restarts: int, stream: TextIO) -> int | None:
     """For torchrun's ChildFailedError `e`: print one line and return the exit status, or None to keep torchrun's
-    report. A user mistake (a rank wrote its line to `error_file`): that line, 2. Ranks that found others gone
-    (exit PEER_LOST, their line printed live above) after the restarts are spent: one line, 75."""
+    report. A user mistake (a rank wrote its line to `error_file`): that line, 2. Ranks lost, after the restarts
+    are spent: one line naming them, 75. torchrun's first failure in time tells which: a rank of this node killed
+    by a signal is the rank that died (torchrun stopped the others after it); a rank that found others gone (exit
+    PEER_LOST) lost ranks elsewhere, which the first such rank wrote to `lost_file`."""
     with open(error_file) as f:
         first = f.readline().strip()
     if first:
         print(first, file=stream)
         return USER_ERROR
-    _, root = e.get_first_failure()  # the first failure in time: the rank that saw the loss, not those torchrun stopped
-    if root.exitcode != PEER_LOST:
+    rank, root = e.get_first_failure()  # the first failure in time: the rank that died or saw the loss
+    if root.exitcode < 0:
+        node = os.environ.get("KILN_NODE_RANK")
+        where = (f"node {node}, " if node else "") + f"host {socket.gethostname()}"
+        lost = f"rank {rank} ({where}), killed by {root.signal_name()}; torchrun stopped the other ranks"
+    elif root.exitcode == PEER_LOST:
+        with open(lost_file) as f:
+            lost = f.readline().strip().removeprefix("lost ")
+        lost = lost or f"ranks that no rank could name (rank {rank} found a collective failed)"
+    else:
         return None
     print(
-        f"kiln: error: the job lost ranks (the line above names them) and its restarts are spent "
-        f"(MAX_RESTARTS={max_restarts}); run it again to resume from the newest complete checkpoint",
+        f"kiln: error: the job lost {lost}; its restarts are spent (MAX_RESTARTS={max_restarts}); run it again to "
+        "resume from the newest complete checkpoint",
         file=stream,
     )
     return PEER_LOST

@@ -105,8 +105,24 @@ def _log_paths(cfg: JobConfig) -> None:
     log.info(f"Dataset: {_dataset_name(cfg.training.dataset, cfg.training.dataset_path)}")
     if cfg.validation.enable:
         log.info(f"Validation dataset: {_dataset_name(cfg.validation.dataset, cfg.validation.dataset_path)}")
+        t, v = cfg.training, cfg.validation
+        if _data_source(t.dataset, t.dataset_path) == _data_source(v.dataset, v.dataset_path):
+            log.warning(
+                "Validation reads the training data: its loss measures the fit to data it trains on, not to "
+                "held-out data; point validation.dataset or validation.dataset_path at a held-out split"
+            )
     if cfg.checkpoint.enable_checkpoint:
         log.info(f"Checkpoint folder: {os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)}")
+
+
+def _data_source(name: str, path: str | None) -> str:
+    """Where a dataset is read from: its local file or folder (real path), else its hub id, config and split."""
+    from trainer.components.data_sources import DATASETS
+
+    spec = DATASETS.get(name)
+    if path is None and spec is not None and spec.hub:
+        return f"{spec.path} {spec.hub_config} {spec.split}"
+    return os.path.realpath(path or (spec.path if spec else name))
 
 
 def _dataset_name(name: str, path: str | None) -> str:
@@ -161,10 +177,10 @@ def _run(argv: list[str] | None, started: list) -> int:
         try:
             trainer.train()
         except RuntimeError as e:  # a failed collective among them (gloo raises RuntimeError, NCCL DistBackendError)
-            line = _lost_peers(trainer, e)
-            if line is None:  # no rank is gone: not a lost peer, the traceback is the report
+            lost = _lost_peers(trainer, e)
+            if lost is None:  # no rank is gone: not a lost peer, the traceback is the report
                 raise
-            raise PeersLost(line) from None
+            raise PeersLost(*lost) from None
         finally:
             trainer.close()  # a background save that fails here (a full disk) is a KilnExit too
     except KilnExit as e:  # a user mistake met mid-run, a non-finite loss, a SIGTERM stop, lost ranks
@@ -172,11 +188,15 @@ def _run(argv: list[str] | None, started: list) -> int:
     return DONE
 
 
-def _lost_peers(trainer: Trainer, e: Exception) -> str | None:
+def _lost_peers(trainer: Trainer, e: Exception) -> tuple[str, str] | None:
     """One line when `e` came with the loss of other ranks (they stopped beating, trainer/components/dist.py):
-    which ranks and nodes, in which step, the backend's first line; None when every rank is alive."""
+    which ranks and nodes, in which step, the backend's first line; and what was lost with where this rank found
+    out, for the launcher. None when every rank is alive. This rank first says it is alive and leaving (its
+    collective failed, it did not fail): the others then name only the ranks that died, even if torchrun stops
+    this one while it looks."""
     if trainer.peers is None:
         return None
+    trainer.peers.leave()
     lost = trainer.peers.lost_ranks()  # waits a few seconds: long enough to tell a gone rank from a busy one
     if lost == []:
         return None
@@ -184,11 +204,13 @@ def _lost_peers(trainer: Trainer, e: Exception) -> str | None:
     reason = re.sub(r"^\[[^\]]*\] ", "", reason)  # gloo's "[.../pair.cc:537] " source position
     reason = reason if len(reason) <= 160 else reason[:157] + "..."
     rank = int(os.environ.get("RANK", 0))
-    return (
-        f"rank {rank} stopped in step {trainer.step}: "
-        f"{trainer.peers.describe(lost)}; a collective failed ({reason}); torchrun restarts the job "
-        "(MAX_RESTARTS) from the newest complete checkpoint"
+    what = trainer.peers.describe(lost)
+    line = (
+        f"rank {rank} stopped in step {trainer.step}: {what}; a collective failed ({reason}); torchrun restarts the "
+        "job (MAX_RESTARTS) from the newest complete checkpoint"
     )
+    gone = what if lost is not None else "lost rank 0's node (the job's store is unreachable)"
+    return line, f"{gone} (rank {rank} found out in step {trainer.step})"
 
 
 if __name__ == "__main__":

@@ -72,9 +72,14 @@ class TrainingStopped(KilnExit):
 
 
 class PeersLost(KilnExit):
-    """A collective failed because other ranks are gone (the message names them); exit 75."""
+    """A collective failed because other ranks are gone (the message names them); exit 75. `lost` says which
+    ("lost rank 3 (host h)"), for the launcher's last line."""
 
     status = PEER_LOST
+
+    def __init__(self, line: str, lost: str = "") -> None:
+        super().__init__(line)
+        self.lost = lost
 
 
 def say(line: str) -> None:
@@ -91,6 +96,9 @@ def say(line: str) -> None:
 # Under run_train.sh a rank appends its user error here and the launcher prints it once for all ranks: printed by
 # the rank, it would reach the user inside torchrun's multi-line failure report.
 ERROR_FILE_ENV = "KILN_ERROR_FILE"
+# ... and a rank that found others gone appends what it lost here: the launcher's last line names them even when
+# torchrun stopped the ranks it shows (LOG_RANK) before they printed.
+LOST_FILE_ENV = "KILN_LOST_FILE"
 
 
 def report(e: KilnExit) -> int:
@@ -102,4 +110,8 @@ def report(e: KilnExit) -> int:
             f.write(e.line() + "\n")
     else:
         say(e.line())
+    lost_file = os.environ.get(LOST_FILE_ENV)
+    if isinstance(e, PeersLost) and e.lost and lost_file:
+        with open(lost_file, "a") as f:
+            f.write(e.lost + "\n")
     return e.status

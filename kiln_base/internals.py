@@ -732,3 +732,20 @@ def forward_only_schedule(schedule: Any) -> None:
         rank: [a for a in actions if a.computation_type not in backward]
         for rank, actions in schedule.pipeline_order_with_comms.items()
     }
+
+
+def bound_pipeline_waits(group: dist.ProcessGroup) -> None:
+    """Make torch's pipeline schedules wait for each send and receive at most `group`'s collective timeout (read at
+    each wait: kiln lengthens it for steps that may compile). On gloo a send's or receive's `Work.wait()` without a
+    timeout waits forever, whatever the group's timeout (which bounds its collectives only): a pipeline stage that
+    froze (SIGSTOP) held its neighbour in a receive until killed from outside. Every schedule waits through
+    `schedules._wait_batch_p2p`, replaced here, process-wide; for gloo only: with NCCL a wait with a timeout blocks
+    the CPU until the transfer ends (NCCL's watchdog enforces the timeout there). Checked on torch 2.11.0 and 2.13.0
+    (tests/e2e/test_frozen_stage.py: a stage stopped with SIGSTOP ends the job 45.5 s later on both)."""
+    from torch.distributed.pipelining import schedules
+
+    def wait(work: list[dist.Work]) -> None:
+        for w in work:
+            w.wait(pg_timeout(group))
+
+    schedules._wait_batch_p2p = wait

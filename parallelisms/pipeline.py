@@ -41,7 +41,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from torch.distributed.tensor import DTensor
 
 from kiln_base.config import PipelinePlan
-from kiln_base.internals import forward_only_schedule
+from kiln_base.internals import bound_pipeline_waits, forward_only_schedule
 
 if TYPE_CHECKING:
     from models import Transformer
@@ -104,6 +104,8 @@ class Pipeline:
         self.plan, self.device, self.group, self.loss_fn = plan, device, group, loss_fn
         self.parts, self.stage_ids, self.microbatch_size = list(parts), tuple(stage_ids), microbatch_size
         self.document_masks = document_masks
+        if device.type == "cpu":  # gloo: a send or receive would otherwise wait for a frozen stage forever
+            bound_pipeline_waits(group)
         n = len(plan.stages)
         self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
         self.stages, self.schedule = self._schedule(plan.microbatches, self._loss)

@@ -356,6 +356,7 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "sequence and does not split a document mask over its ranks yet; use a causal flavor (without "
             "_flex/_varlen) or context_parallel_degree 1"
         )
+    check_float8_blocks(cfg.float8, shape.n_layers)
     if shape.attn_type == "varlen" and device_type != "cuda":
         flavor = cfg.model.flavor
         flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
@@ -466,4 +467,27 @@ def check_float8_cpu(cfg: Float8, torch_version: str, cpu_rowwise: bool) -> None
         raise ConfigError(
             f"float8.recipe_name {cfg.recipe}: torch {torch_version}'s CPU float8 matmul takes per-tensor scales "
             "only; use recipe_name tensorwise, add --float8.emulate, or torch >= 2.13 on a CPU"
+        )
+
+
+def check_float8_blocks(cfg: Float8, n_layers: int) -> None:
+    """The precision policy's block counts against the model, before the build: a count beyond the model's blocks,
+    or counts that keep every block in high precision (no Linear left to train in float8; the check after the build
+    could only blame float8.filter_fqns), are refused naming the key."""
+    if not cfg.enable_float8_linear:
+        return
+    first_last, last = cfg.high_precision_first_last, cfg.high_precision_last
+    for key, value in (("high_precision_first_last", first_last), ("high_precision_last", last)):
+        if value > n_layers:
+            raise ConfigError(f"float8.{key} {value} is more than the model's {n_layers} transformer blocks")
+    last_blocks = cfg.high_precision_last_blocks(n_layers)
+    kept = [b for b in range(n_layers) if b < first_last or b >= n_layers - max(first_last, last_blocks)]
+    output_kept = any(f in "output" for f in cfg.filter_fqns)  # the one Linear outside the blocks
+    if len(kept) == n_layers and output_kept:
+        given = (("high_precision_first_last", first_last), ("high_precision_last", last))
+        keys = [f"float8.{k} {v}" for k, v in given if v > 0]
+        raise ConfigError(
+            f"{' and '.join(keys)} keep{'s' * (len(keys) == 1)} all {n_layers} transformer blocks in high precision "
+            f"(and float8.filter_fqns the output): no Linear would train in float8; keep fewer blocks (at most "
+            f"{n_layers - 1} in all) or drop float8.enable_float8_linear"
         )

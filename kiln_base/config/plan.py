@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kiln_base.config.schema import (
+    BF16_WIRE,
     PP_SCHEDULES,
     ActivationCheckpoint,
     JobConfig,
@@ -151,10 +152,22 @@ def check_world(cfg: JobConfig, world_size: int) -> tuple[Degrees, int]:
     before torchrun starts a rank, each rank in plan_run."""
     degrees = Degrees.of(cfg.parallelism, world_size)
     accum = grad_accum_steps(cfg.training, degrees.dp_degree)
+    check_bf16_wire(cfg.training, degrees.dp_replicate, degrees.dp_shard * degrees.cp)
     check_sequence_split(cfg.training.seq_len, cfg.parallelism)
     if cfg.validation.enable:  # validation batches are split the same way
         check_sequence_split(validation_shape(cfg.validation, cfg.training)[1], cfg.parallelism, "validation.seq_len")
     return degrees, accum
+
+
+def check_bf16_wire(t: Training, dp_replicate: int, fsdp_ranks: int) -> None:
+    """bfloat16_wire is FSDP's reduce-scatter (dp_shard x cp ranks) in bfloat16 with a float32 sum; plain
+    replication has none, and its all-reduce would silently stay float32: refused, naming what would work."""
+    if t.mixed_precision_reduce == BF16_WIRE and fsdp_ranks == 1 and dp_replicate > 1:
+        raise ConfigError(
+            f"training.mixed_precision_reduce {BF16_WIRE} sends FSDP's reduce-scatter in bfloat16, and plain "
+            f"replication (data_parallel_replicate_degree {dp_replicate}, data_parallel_shard_degree 1) has none: "
+            "its all-reduce would run in float32; use float32 or bfloat16, or shard (data_parallel_shard_degree > 1)"
+        )
 
 
 def check_sequence_split(seq_len: int, p: Parallelism, key: str = "training.seq_len") -> None:

@@ -108,26 +108,36 @@ def test_a_kiln_json_of_a_million_layers_is_refused_for_memory(two_rank_checkpoi
         ({"NGPU": "100000"}, (), "NGPU=100000: this node has no GPU and"),
         ({"NGPU": "9" * 5000}, (), "NGPU=99999999999999999...: this node has no GPU and"),
         ({}, ("--training.dataset_path", "{fifo}"), "fifo.jsonl is a FIFO (named pipe), not a regular file"),
+        (
+            {},
+            ("--validation.enable", "--validation.dataset_path", "{fifo}"),
+            "fifo.jsonl is a FIFO (named pipe), not a regular file",
+        ),
+        ({}, ("--validation.enable", "--validation.dataset_path", "{dev}"), "dev.jsonl is a device"),
         ({}, ("--model.tokenizer_path", "{big}"), "big.model is 41,943,040 bytes, more than kiln reads"),
         ({}, ("--job.config_file", "{deep}"), "deep.toml: malformed TOML: arrays or tables nested deeper"),
         ({}, ("--training.dataset_path", "{deep_record}"), "record 1 (line 1): not valid JSON (nested deeper"),
     ],
-    ids=["ngpu", "ngpu-digits", "fifo", "tokenizer", "toml", "record"],
+    ids=["ngpu", "ngpu-digits", "fifo", "validation-fifo", "validation-device", "tokenizer", "toml", "record"],
 )
 def test_bounds_at_start(tmp_path: Path, env: dict[str, str], args: tuple[str, ...], needle: str) -> None:
     if env.get("NGPU") == "100000" and (os.cpu_count() or 0) * 4 >= 100000:  # pragma: no cover
         pytest.skip("more than 25,000 cores: 100,000 CPU ranks (4 a core) would be allowed here")
     os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "dev.jsonl").symlink_to("/dev/zero")
     with open(tmp_path / "big.model", "wb") as f:
         f.truncate(40 * 2**20)  # sparse: the size alone is refused, nothing is read
     (tmp_path / "deep.toml").write_text("[training]\nsteps = " + "[" * 100_000 + "]" * 100_000 + "\n")
     (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     paths = {"fifo": tmp_path / "fifo.jsonl", "big": tmp_path / "big.model", "deep": tmp_path / "deep.toml"}
-    paths["deep_record"] = tmp_path / "deep.jsonl"
+    paths.update(deep_record=tmp_path / "deep.jsonl", dev=tmp_path / "dev.jsonl")
     argv = tiny_run_args("--job.dump_folder", str(tmp_path / "o"), *(a.format(**paths) for a in args))
     proc = run_train_sh(*argv, cwd=tmp_path, ngpu=env.get("NGPU", 1), timeout=300)
     line = assert_one_line_error(proc)
     assert needle in line, line
+    if "FIFO" in needle or "device" in needle:  # refused under the key the path was given under
+        key = next(a for a in args if a.endswith(".dataset_path"))[2:]
+        assert line.startswith(f"kiln: error: {key}: "), line
     assert "[rank0]" not in proc.stdout
 
 

@@ -152,6 +152,31 @@ MISTAKES = [
         True,
     ),
     (
+        "float8_policy_keeps_every_block",
+        ["--float8.enable_float8_linear", "--float8.high_precision_first_last", "3"],
+        "float8.high_precision_first_last 3 keeps all 6 transformer blocks in high precision",
+        True,
+    ),
+    (
+        "float8_policy_beyond_the_model",
+        ["--float8.enable_float8_linear", "--float8.high_precision_last", "7"],
+        "float8.high_precision_last 7 is more than the model's 6 transformer blocks",
+        True,
+    ),
+    (
+        "bf16_wire_plain_replication",
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.mixed_precision_reduce",
+            "bfloat16_wire",
+        ],
+        "plain replication (data_parallel_replicate_degree 2, data_parallel_shard_degree 1) has none",
+        True,
+    ),
+    (
         "validation_too_small",
         ["--validation.enable", "--validation.dataset_path", "{dir}/tiny.jsonl"],
         "tiny.jsonl is too small to fill one sequence of validation.seq_len + 1",
@@ -323,7 +348,11 @@ def test_uses_python3_when_python_is_missing(tmp_path: Path) -> None:
     env = {"PATH": str(bin_dir)}  # and NGPU=1, nothing else; bash itself is started by its full path
     proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "neither python nor python3 is on PATH")
-    (bin_dir / "python3").symlink_to(sys.executable)
+    # A wrapper, not a symlink: a venv's interpreter run through a link in another folder no longer finds its
+    # pyvenv.cfg and starts without the venv's packages.
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
     proc = run_kiln(["--training.stpes", "1"], ngpu=1, env=env, inherit_env=False, cwd=tmp_path, timeout=TIMEOUT_S)
     assert_one_line_error(proc, "did you mean 'training.steps'")  # launch.py ran, under python3
 
@@ -340,6 +369,35 @@ def test_wandb_without_the_package_is_one_line_before_any_rank(ngpu: int, tmp_pa
     proc = run_train(*args, cwd=tmp_path, ngpu=ngpu, PYTHONPATH=pythonpath)
     assert_one_line_error(proc, "metrics.enable_wandb needs the wandb package, which is not installed")
     assert "[rank0]" not in proc.stdout and len(proc.stderr.splitlines()) == 1, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"WANDB_MODE": "bogus"},
+            "metrics.enable_wandb: W&B rejects its settings: WANDB_MODE='bogus': Input should be 'online', "
+            "'offline', 'shared', 'disabled', 'dryrun' or 'run'",
+        ),
+        (
+            {"WANDB_MODE": "offline", "WANDB_SILENT": "maybe"},
+            "metrics.enable_wandb: W&B rejects its settings: WANDB_SILENT='maybe': Input should be a valid boolean, "
+            "unable to interpret input",
+        ),
+        (
+            {"WANDB_MODE": "offline", "WANDB_RUN_ID": "a/b"},
+            "metrics.enable_wandb: W&B could not start a run: Run ID cannot contain the characters: :;,#?/' (W&B "
+            "runs offline here, no login involved: check the WANDB_* variables)",
+        ),
+    ],
+    ids=["mode", "silent", "offline-run-id"],
+)
+def test_wandb_settings_it_rejects_are_one_line(env: dict[str, str], line: str, tmp_path: Path) -> None:
+    """W&B settings from the environment that W&B refuses: one line naming the variable, exit 2 (a traceback
+    before); offline, the advice is not `wandb login`."""
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--training.steps", "1", "--metrics.enable_wandb")
+    proc = run_train(*args, cwd=tmp_path, **env)
+    assert assert_one_line_error(proc) == f"kiln: error: {line}"
 
 
 @pytest.mark.distributed
@@ -361,3 +419,17 @@ def test_wandb_two_ranks_one_offline_run(tmp_path: Path) -> None:
         line.split("loss:")[1].split()[0] for line in proc.stdout.splitlines() if "[rank1]:" in line and "step:" in line
     ]
     assert [f"{run.history[s]['kiln/loss']:.4f}" for s in (1, 2, 3)] == losses
+
+
+@pytest.mark.parametrize("held_out", [False, True], ids=["training data", "held-out split"])
+def test_validating_on_the_training_data_is_said_at_start(held_out: bool, tmp_path: Path) -> None:
+    """validation.dataset_path naming the training file (through another path): one warning line at start, and the
+    run goes on (torchtitan validates on whatever it is given); the bundled held-out split: no warning."""
+    corpus = ROOT / "assets" / "corpus"
+    (tmp_path / "same.jsonl").symlink_to(corpus / "kiln_corpus.jsonl")
+    data = corpus / "kiln_corpus_validation.jsonl" if held_out else tmp_path / "same.jsonl"
+    args = tiny_run_args("--job.dump_folder", str(tmp_path / "out"), "--training.steps", "1", "--validation.enable")
+    proc = run_train(*args, "--validation.steps", "1", "--validation.dataset_path", str(data), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    warned = [line for line in proc.stdout.splitlines() if "Validation reads the training data" in line]
+    assert len(warned) == (0 if held_out else 1), proc.stdout[-3000:]

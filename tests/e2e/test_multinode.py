@@ -18,6 +18,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ import pytest
 
 import launch
 from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port
-from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, run_kiln, start_kiln
+from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, children, run_kiln, start_kiln
 
 TIMEOUT_S = 600
 COLLECTIVE_TIMEOUT_S = 30  # comm.train_timeout_seconds of these runs
@@ -119,22 +120,28 @@ def test_config_is_checked_for_the_whole_world_before_any_rank_starts(tmp_path: 
     assert "[rank" not in proc.stdout
 
 
-def test_spent_restarts_after_a_lost_rank_are_one_line() -> None:
-    """torchrun's ChildFailedError whose first failure is a rank that saw others vanish (exit 75): one line, 75;
-    any other failure keeps torchrun's report (None)."""
+def test_spent_restarts_after_a_lost_rank_are_one_line(tmp_path: Path) -> None:
+    """torchrun's ChildFailedError after the restarts are spent: one line naming the lost ranks, 75. First failure a
+    rank killed by a signal: that rank (torchrun stopped the others); a rank that saw others vanish (exit 75): what
+    the first such rank wrote to the lost file, or that nobody could name them; any other failure keeps torchrun's
+    report (None)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     def failed(*codes: int) -> ChildFailedError:
         return ChildFailedError("train.py", {r: ProcessFailure(r, 100 + r, c, "") for r, c in enumerate(codes)})
 
-    out = io.StringIO()
-    empty = os.devnull
-    assert launch.failure_report(failed(75, -15), empty, 0, out) == 75
-    assert out.getvalue() == (
-        "kiln: error: the job lost ranks (the line above names them) and its restarts are spent (MAX_RESTARTS=0); "
-        "run it again to resume from the newest complete checkpoint\n"
-    )
-    assert launch.failure_report(failed(1, -15), empty, 0, io.StringIO()) is None
+    empty, lost = os.devnull, tmp_path / "lost"
+    lost.write_text("lost ranks 2, 3 (node 1, host h) (rank 0 found out in step 4)\nlost ranks 1, 2, 3 (host h)\n")
+    tail = "; its restarts are spent (MAX_RESTARTS=0); run it again to resume from the newest complete checkpoint\n"
+    for codes, lost_file, what in [
+        ((75, -15), lost, "ranks 2, 3 (node 1, host h) (rank 0 found out in step 4)"),
+        ((75, -15), empty, "ranks that no rank could name (rank 0 found a collective failed)"),
+        ((-9, 75), lost, f"rank 0 (host {socket.gethostname()}), killed by SIGKILL; torchrun stopped the other ranks"),
+    ]:
+        out = io.StringIO()
+        assert launch.failure_report(failed(*codes), empty, str(lost_file), 0, out) == 75
+        assert out.getvalue() == f"kiln: error: the job lost {what}{tail}"
+    assert launch.failure_report(failed(1, -15), empty, empty, 0, io.StringIO()) is None
 
 
 # ----------------------------------------------------------------------------- two nodes on one machine
@@ -315,7 +322,9 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
             if node.proc.poll() is None:
                 node.kill()
     print(f"detected {detect_s:.1f} s after the kill: {line.strip()}")
-    assert detect_s < COLLECTIVE_TIMEOUT_S
+    # Found by the closed connections, not by waiting out the collective timeout: a verdict that holds under any
+    # load (the seconds do not: 5.5 s idle, 72 s at a load average of 35 on the 2 cores).
+    assert "Connection closed by peer" in line and "Timed out" not in line, line
     resume = 2 * ((stopped - 1) // 2)  # the newest checkpoint complete before the step that failed
     loaded = f"Loaded checkpoint {tmp_path / 'checkpoint' / f'step-{resume}'} (full state)"
     assert loaded in out0, out0[-4000:]
@@ -344,3 +353,63 @@ def _kill_and_replace(endpoint: str, dump: Path, started: list[Node]) -> tuple[s
     (rc0, out0), (rc1, out1) = node0.finish(), replacement.finish()
     assert rc0 == 0 and rc1 == 0, out0[-4000:] + out1[-4000:]
     return out0, int(m.group(1)), line, detected - killed
+
+
+# ----------------------------------------------------------------------------- one rank of a node killed
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_kill_9_of_one_rank_names_that_rank_only(tmp_path: Path) -> None:
+    """kill -9 of rank 3 of a PP 2 x CP 2 job (the last stage): every rank's line and the launcher's last line name
+    rank 3 alone, not the ranks torchrun stopped after it nor those that ended before the one that names them."""
+    args = [*TINY, f"{P}pipeline_parallel_degree", "2", f"{P}context_parallel_degree", "2"]
+    args += ["--training.steps", "100000", "--checkpoint.interval", "100000", "--job.dump_folder", str(tmp_path)]
+    node = Node.__new__(Node)  # a node of its own: run_train.sh, NGPU=4, every rank's output shown
+    node.proc = start_kiln(args, ngpu=4, threads=1, log_rank="0,1,2,3", env=NO_NODES, merge_stderr=True)
+    node.lines, node.seen = queue.Queue(), []
+    threading.Thread(target=node._pump, daemon=True).start()
+    try:
+        node.wait_for("step:  2 ")
+        ranks = children(node.proc.pid)
+        assert len(ranks) == 4, ranks
+        os.kill(ranks[3], signal.SIGKILL)
+        rc, out = node.finish()
+    finally:
+        if node.proc.poll() is None:
+            node.kill()
+    lines = [line for line in out.splitlines() if "kiln: error:" in line]
+    assert rc == 75 and lines, out[-4000:]
+    host = socket.gethostname()
+    named = rf"rank [012] stopped in step \d+: lost rank 3 \(host {host}\); a collective failed"
+    for line in lines[:-1]:  # the ranks that found out, each before torchrun stopped it
+        assert re.search(named, line), out[-4000:]
+    assert lines[-1] == (
+        f"kiln: error: the job lost rank 3 (host {host}), killed by SIGKILL; torchrun stopped the other ranks; its "
+        "restarts are spent (MAX_RESTARTS=0); run it again to resume from the newest complete checkpoint"
+    ), out[-4000:]
+    assert out.rstrip().endswith(lines[-1]) and "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_node_with_restarts_spent_is_named_by_the_launcher(tmp_path: Path) -> None:
+    """Node 1 killed, MAX_RESTARTS=0: node 0's last line, the launcher's own, names node 1's ranks, whether or not
+    the rank it shows (LOG_RANK 0) printed its line before torchrun stopped it."""
+    endpoint = f"localhost:{free_port()}"
+    nodes = [Node(n, endpoint, tmp_path, "--training.steps", "100000") for n in (0, 1)]
+    try:
+        nodes[0].wait_for("step:  2 ")
+        nodes[1].kill()
+        rc, out = nodes[0].finish()
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.kill()
+    last = out.rstrip().splitlines()[-1]
+    assert rc == 75, out[-4000:]
+    assert re.fullmatch(
+        r"kiln: error: the job lost ranks 2, 3 \(node 1, host \S+\) \(rank [01] found out in step \d+\); its restarts "
+        r"are spent \(MAX_RESTARTS=0\); run it again to resume from the newest complete checkpoint",
+        last,
+    ), out[-4000:]

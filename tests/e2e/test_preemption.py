@@ -123,7 +123,9 @@ def test_sigterm_to_torchrun_two_ranks_saves_and_resumes_exactly(runs: Path, str
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_with_one_line(tmp_path: Path) -> None:
-    run = Run(tmp_path / "int", "--checkpoint.interval", "100")
+    # Steps enough that the run cannot end before the signal, however late the test sends it (6 steps could: on
+    # loaded cores the run finished between printing step 1 and the signal, status 0); only step 1 ever runs whole.
+    run = Run(tmp_path / "int", "--checkpoint.interval", "100", "--training.steps", "100000")
     run.wait_for("step:  1 ")
     run.proc.send_signal(signal.SIGINT)
     assert run.finish() == 130

@@ -9,10 +9,12 @@ MASTER_PORT) is set too, so code under test that calls `init_process_group("gloo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,16 +27,35 @@ TIMEOUT_S = 600
 
 
 def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:
+    # As under torchrun: the job's store at MASTER_ADDR:MASTER_PORT is hosted outside the process group (here by
+    # this function on rank 0, there by torchrun's agent) and every group initialised from the environment
+    # connects to it as a client (TORCHELASTIC_USE_AGENT_STORE), also one that code under test opens after a
+    # Trainer closed this one, and kiln's lost-rank watch. Held until every rank is done: rank 0 ending its group
+    # (then its store) while another rank still created a group through the store (DeviceMesh's new_group) reset
+    # that rank's connection, once in a full run. The ranks meet at the end through the store only, no
+    # collective: a rank whose fn failed, or left the group closed or reopened, still reaches it.
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     torch.set_num_threads(1)  # N ranks share the machine's cores; idle OpenMP threads would spin
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         results.put((rank, True, fn(*args)))
     except BaseException:  # report any failure (also assertion errors) to the parent with the traceback
         results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))
     finally:
+        store.set(f"done/{rank}", "1")
+        if rank == 0:  # the host waits for the others before its store (and group) go
+            try:
+                store.wait([f"done/{r}" for r in range(world_size)], timedelta(seconds=60))
+            except Exception:  # a rank that died never signals; the parent reports it
+                pass
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -42,11 +63,20 @@ def _worker(rank: int, world_size: int, port: int, results: Any, fn: Callable[..
 # The ranks are forked from a forkserver that has imported torch and the Trainer once: a freshly spawned rank
 # spends ~5 s of CPU importing them, which on 2 cores was minutes of the suite. The forkserver is a clean
 # single-threaded process (unlike this one, which holds threads), so forking from it is safe.
-_PRELOAD = ["torch", "torch.distributed", "trainer.train", "tests.helpers.common", "tests.helpers.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "trainer.trainer", "tests.helpers.common", "tests.helpers.distributed"]
+
+
+def check_preload(modules: Sequence[str]) -> None:
+    """Fail unless every module exists: the forkserver ignores a preload it cannot import (a renamed module then
+    silently costs each rank its imports again)."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"forkserver preload: no module named {', '.join(missing)}")
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run fn(*args) on `world_size` gloo ranks; return the per-rank results, rank 0 first."""
+    check_preload(_PRELOAD)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results, port = ctx.Queue(), free_port()

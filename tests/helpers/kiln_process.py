@@ -230,3 +230,17 @@ def _run(
             f"{' '.join(argv)[:500]}\nexited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     return result
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, oldest first: under run_train.sh on a CPU node, the launcher's ranks in
+    local-rank order (torchrun forks them one after another)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(kids)

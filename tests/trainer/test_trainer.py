@@ -348,3 +348,34 @@ def test_precision_auto_is_float32_on_cpu_and_bf16_is_honoured_with_one_warning(
     ]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "0.06x float32's speed on an AVX2 CPU" in warnings[0], warnings
+
+
+def test_validation_time_is_left_out_of_tps_and_mfu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/metrics.md: validation time is left out of the next line's tps and mfu. Each step takes 1 s and each
+    validation (steps 1, 2 and 4 with freq 2) 100 s by one clock: every line's tps is a step's tokens per second."""
+    import trainer.hooks as hooks_module
+
+    clock = StepClock()
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(hooks_module, "time", SimpleNamespace(perf_counter=clock))
+    overrides = ["--training.steps", "4", "--metrics.log_freq", "1", "--metrics.peak_tflops", "1e-6"]
+    overrides += ["--validation.enable", "--validation.freq", "2", "--validation.steps", "1"]
+    with open_trainer(argv(tmp_path, *overrides, base=TINY)) as trainer:
+        logged = logged_metrics(trainer)
+        step, validate = trainer.train_step, trainer.validator.run
+
+        def timed_step() -> tuple[torch.Tensor, torch.Tensor]:
+            clock.now += 1
+            return step()
+
+        def timed_validation(*args: Any, **kwargs: Any) -> Any:
+            clock.now += 100
+            return validate(*args, **kwargs)
+
+        trainer.train_step, trainer.validator.run = timed_step, timed_validation
+        trainer.train()
+        flops_per_token = trainer.flops_per_token
+    tokens_per_step = 2 * 32  # local batch x seq_len
+    assert [m["tps"] for m in logged] == pytest.approx([tokens_per_step] * 4, rel=1e-12)
+    assert [m["mfu"] for m in logged] == pytest.approx([100 * tokens_per_step * flops_per_token / 1e6] * 4)
+    assert [("val_loss" in m) for m in logged] == [True, True, False, True]

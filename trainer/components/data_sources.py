@@ -75,9 +75,9 @@ def _local_files(path: str, section: str) -> tuple[str, list[str]]:
         try:
             require_regular(f)  # a FIFO or device would block the first read, or never end
         except OSError as e:
-            raise ConfigError(f"training.dataset_path: cannot read {f}: {e.strerror or e}") from None
+            raise ConfigError(f"{section}.dataset_path: cannot read {f}: {e.strerror or e}") from None
         except ValueError as e:
-            raise ConfigError(f"training.dataset_path: {e} (give .jsonl/.json/.parquet/.txt files)") from None
+            raise ConfigError(f"{section}.dataset_path: {e} (give .jsonl/.json/.parquet/.txt files)") from None
         _check_readable(f, kind)
     return kind, files
 

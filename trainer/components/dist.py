@@ -112,14 +112,24 @@ class PeerWatch:
         return rank // self.local_world_size
 
     def lost_ranks(self) -> list[int] | None:
-        """The ranks that stopped beating (waits `grace` seconds); None when the store itself is unreachable."""
+        """The ranks that stopped beating (waits `grace` seconds) without leaving (`leave`): those that died, not
+        those that saw a collective fail (alive then) and ended, or were stopped by torchrun after that; None when
+        the store itself is unreachable."""
         try:
             before = [self._store.add(f"{self._prefix}{r}", 0) for r in range(self.world_size)]
             time.sleep(self.grace)
             after = [self._store.add(f"{self._prefix}{r}", 0) for r in range(self.world_size)]
+            silent = [r for r in range(self.world_size) if after[r] == before[r] and r != self.rank]
+            return [r for r in silent if not self._store.check([f"{self._prefix}left/{r}"])]
         except (RuntimeError, dist.DistError):
             return None
-        return [r for r in range(self.world_size) if after[r] == before[r] and r != self.rank]
+
+    def leave(self) -> None:
+        """Say that this rank is alive and ends because a collective failed, so that no `lost_ranks` names it."""
+        try:
+            self._store.set(f"{self._prefix}left/{self.rank}", "1")
+        except (RuntimeError, dist.DistError):  # the store is gone: nobody is left to ask
+            pass
 
     def describe(self, lost: list[int] | None) -> str:
         """ "lost ranks 2, 3 (node 1, host gpu7)"; what an unreachable store means when `lost` is None."""

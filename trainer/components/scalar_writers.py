@@ -111,6 +111,14 @@ def wandb_init_args(env: Mapping[str, str], dump_folder: str) -> dict[str, Any]:
     return args
 
 
+def _wandb_setting(error: Mapping[str, Any]) -> str:
+    """One of pydantic's errors for W&B's settings as the user set it: `WANDB_MODE='bogus': Input should be ...`."""
+    field = "_".join(map(str, error.get("loc", ())))
+    var = f"WANDB_{field.upper()}"
+    where = f"{var}={os.environ[var]!r}" if var in os.environ else f"{field}={error.get('input')!r}"
+    return f"{where}: {error.get('msg', 'invalid')}"
+
+
 def open_wandb(dump_folder: str, config: dict[str, Any]) -> WandbWriter:
     """Start the job's W&B run, recording `config` (the merged config) with it; ConfigError when wandb refuses
     (online without `wandb login`: the message says so)."""
@@ -120,11 +128,19 @@ def open_wandb(dump_folder: str, config: dict[str, Any]) -> WandbWriter:
     try:
         run = wandb.init(dir=dump_folder, config=config, **wandb_init_args(os.environ, dump_folder))
     except wandb.errors.Error as e:
-        reason = " ".join(str(e).split())
+        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+        advice = (
+            "W&B runs offline here, no login involved: check the WANDB_* variables"
+            if offline
+            else "log in with `wandb login` or WANDB_API_KEY, or set WANDB_MODE=offline"
+        )
         raise ConfigError(
-            f"metrics.enable_wandb: W&B could not start a run: {reason} (log in with `wandb login` or "
-            "WANDB_API_KEY, or set WANDB_MODE=offline)"
+            f"metrics.enable_wandb: W&B could not start a run: {' '.join(str(e).split())} ({advice})"
         ) from None
+    except ValueError as e:  # pydantic's ValidationError: a setting W&B rejects, from a WANDB_* variable
+        errors = e.errors() if callable(getattr(e, "errors", None)) else []  # type: ignore[attr-defined]
+        bad = [_wandb_setting(err) for err in errors] or [" ".join(str(e).split())]
+        raise ConfigError(f"metrics.enable_wandb: W&B rejects its settings: {'; '.join(bad)}") from None
     logger.info(
         f"Weights & Biases: run '{run.name}' in project '{run.project}' (mode {run.settings.mode}), "
         f"files in {run.settings.sync_dir}"
