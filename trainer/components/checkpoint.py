@@ -137,6 +137,21 @@ def plain_tensor(t: Any) -> Any:
     return t if inner is None else inner
 
 
+def reset_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Set the step counts of an optimizer that has not stepped back to 0.
+
+    torch's get_optimizer_state_dict creates the state of an optimizer that has none by taking one step with zero
+    gradients at lr 0: the weights and Adam's moments stay exactly as they were (zeros), but the step count becomes
+    1. Saved so (the seed checkpoint, step-0), the run it seeds would take its first step with Adam's bias
+    corrections for step 2, and from step 2 on train a different run than one started from scratch. With the count
+    at 0 the state is, bit for bit, what a fresh AdamW creates at its first step (trainer/components/optim.py).
+    """
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+
+
 def _is_dataclass_instance(obj: Any) -> TypeGuard[DataclassInstance]:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
@@ -286,7 +301,10 @@ class CheckpointManager:
             if name == MODEL:
                 continue
             if name == OPTIMIZER:
+                unstepped = not obj.state
                 osd = get_optimizer_state_dict(self.states[MODEL], obj, options=_OPTIM_OPTIONS)
+                if unstepped:
+                    reset_step_counts(obj)
                 sd[name] = {k: plain_tensor(v) for k, v in osd.items()}
             else:
                 sd[name] = obj.state_dict()
