@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
 from kiln_base.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
+from trainer.components.checkpoint_checksums import ChecksummingWriter, collect, verify
 from trainer.components.checkpoint_folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
@@ -439,6 +440,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
+        verify(path, entry.marker())  # a damaged file: CheckpointError naming it, on every rank
         load(sd, path, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]
@@ -553,13 +555,14 @@ class CheckpointManager:
         tmp = os.path.join(self.folder, name + ".tmp")
         if background:
             kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
-            result = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._pg, **kwargs)
+            writer = ChecksummingWriter(tmp)  # checksums in the background thread that writes the files
+            result = dcp.async_save(sd, checkpoint_id=tmp, storage_writer=writer, process_group=self._pg, **kwargs)
             future = getattr(result, "upload_completion", result)  # AsyncSaveResponse with a custom stager
             self._pending = (future, step, weights_only, t0)
             logger.info(f"Checkpoint {name}: staged in {time.perf_counter() - t0:.2f} s, writing in background")
             return
         with self._writing(name):
-            dcp.save(sd, checkpoint_id=tmp)
+            dcp.save(sd, checkpoint_id=tmp, storage_writer=ChecksummingWriter(tmp))
             self._publish(step, weights_only)
         logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
 
@@ -611,7 +614,9 @@ class CheckpointManager:
         if self.rank != 0:
             return
         dtype = self.cfg.export_dtype if weights_only else "float32"
-        publish(self.folder, save_name(step, export=weights_only), self._marker(step, weights_only, dtype))
+        name = save_name(step, export=weights_only)
+        checksums = collect(os.path.join(self.folder, name + ".tmp"))  # every rank's files, and .metadata
+        publish(self.folder, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
         purge(self.folder, self.cfg.keep_latest_k)
 
     def close(self) -> None:
