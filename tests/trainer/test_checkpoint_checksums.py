@@ -63,6 +63,11 @@ def test_a_flipped_bit_is_one_line_naming_the_file_and_old_checkpoints_load_unve
     assert code == 2
     assert err.startswith(f"kiln: error: checkpoint file {damaged} is damaged: its checksum is crc32:"), err
     assert len(err.splitlines()) == 1, err
+    # The same file as another run's starting point (checkpoint.initial_load_path): refused the same way.
+    argv = [*TINY, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path", str(damaged.parent)]
+    assert train_entry.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kiln: error: checkpoint file {damaged} is damaged"), err
 
     old = tmp_path / "old"  # saved before kiln recorded checksums
     shutil.copytree(good, old / "checkpoint" / "step-2")
