@@ -4,7 +4,8 @@ Every step records, on the device and without a host sync, the first step whose 
 not finite. The verdict is read (one all-reduce + one sync) only on log steps and right before a checkpoint
 save, so non-log steps stay sync-free (docs/performance.md) and no checkpoint is ever written after a bad
 step. The price: weights in memory may already hold the bad update when the run stops; every checkpoint on
-disk is from before it, and the error names the newest one to resume from.
+disk is from before it, and the error names the newest one to resume from. With training.skip_nonfinite_steps
+(NonFiniteSkip, below) a bad step is skipped instead, before its update, and only N of them in a row stop the run.
 """
 
 from __future__ import annotations
