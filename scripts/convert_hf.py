@@ -39,6 +39,7 @@ from kiln_base.errors import ConfigError, UserError  # noqa: E402
 from kiln_base.files import FileRefused  # noqa: E402
 from models.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
 from trainer.components import checkpoint, hf  # noqa: E402
+from trainer.components.checkpoint_checksums import ChecksummingWriter, collect  # noqa: E402
 from trainer.components.checkpoint_folder import write_json  # noqa: E402
 from trainer.components.initial_load import stored_kiln_args  # noqa: E402
 
@@ -111,9 +112,10 @@ def save_kiln_weights(sd: dict[str, torch.Tensor], args: ModelArgs, folder: str,
     for path in (final, tmp):  # DCP would write into (or through) whatever is there
         if os.path.lexists(path):
             raise ConfigError(f"{path} already exists; not overwriting it (move it out of {folder})")
-    dcp.save(sd, checkpoint_id=tmp, no_dist=True)
+    dcp.save(sd, checkpoint_id=tmp, storage_writer=ChecksummingWriter(tmp), no_dist=True)
     dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     marker = {"step": step, "model_weights_only": True, "dtype": dtype, "model_args": dataclasses.asdict(args)}
+    marker["checksums"] = collect(tmp)  # verified when a run loads it
     write_json(os.path.join(tmp, checkpoint.MARKER), marker)
     os.rename(tmp, final)
     return final

@@ -44,7 +44,7 @@ class StepOutput:
     last: bool  # the final step of the run
     loss: torch.Tensor  # mean over micro-batches, this rank, on the device (no host sync yet)
     grad_norm: torch.Tensor  # global norm before clipping, float64, the same on every rank (parallelisms/grad_norm.py)
-    lr: float  # the learning rate this step used
+    lr: float | torch.Tensor  # the learning rate this step used (on the device under training.skip_nonfinite_steps)
 
 
 class StepHook:
@@ -192,7 +192,7 @@ class MetricsHook(StepHook):
         loss = self.global_mean(out.loss)
         self.losses.append(loss)
         shown = None if val is None else (val.loss, val.perplexity)
-        self.metrics.log(out.step, self.total_steps, loss, out.grad_norm.item(), out.lr, shown)
+        self.metrics.log(out.step, self.total_steps, loss, out.grad_norm.item(), float(out.lr), shown)
 
 
 class CheckpointHook(StepHook):

@@ -44,7 +44,7 @@ from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
-from trainer.tools.guards import NonFiniteGuard
+from trainer.tools.guards import NonFiniteGuard, NonFiniteSkip
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
 logger = logging.getLogger("kiln")
@@ -195,7 +195,10 @@ class Trainer:
         }
         self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states, built.held_elsewhere)
         self.step = self._resume_or_start(source, built.held_elsewhere, t.steps)
-        self.nan_guard = NonFiniteGuard(self.device)
+        self.skip: NonFiniteSkip | None = None  # training.skip_nonfinite_steps: the guard that skips bad steps
+        if t.skip_nonfinite_steps:
+            self.skip = NonFiniteSkip(self.device, self.optimizer, self.lr_scheduler, t.steps, t.skip_nonfinite_steps)
+        self.nan_guard = self.skip or NonFiniteGuard(self.device)
         self.is_logging_rank, self.metrics = metrics_logger(
             cfg,
             self.device,
@@ -299,6 +302,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_time = 0, 0.0
+        first = self.dataloader.state_dict() if self.skip is not None else {}  # the batch's position, for a skip
         for _ in range(self.grad_accum_steps):
             t0 = time.perf_counter()
             inputs, labels = next(self.dataloader)
@@ -324,10 +328,18 @@ class Trainer:
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, group, foreach)
         else:
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, None, foreach)
-        self.last_lr = float(self.lr_scheduler.get_last_lr()[0])  # the lr this step used, for the log line
-        self.optimizer.step()
-        if self.float8 is not None:
-            self.float8.post_optimizer_hook(self.model)
+        self.last_lr: float | torch.Tensor = float(self.lr_scheduler.get_last_lr()[0])  # this step's, for the log
+        around: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.skip is not None:  # skipped on every rank if any rank's loss or norm is non-finite (no host sync)
+            end = self.dataloader.state_dict()
+            where = (first.get("sequences", -1), end.get("sequences", -1), end.get("epoch", -1))
+            around = self.skip.optimizer_step(self.step, loss_sum, grad_norm, where)
+        with around:
+            self.optimizer.step()
+            if self.float8 is not None:
+                self.float8.post_optimizer_hook(self.model)
+        if self.skip is not None:
+            self.last_lr = self.skip.applied_lr  # the lr the step applied (the schedule skips too), on the device
         self.lr_scheduler.step()
         return loss_sum / self.grad_accum_steps, grad_norm
 

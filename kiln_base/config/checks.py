@@ -77,6 +77,11 @@ def check_config_alone(cfg: JobConfig) -> None:
         "checkpoint.create_seed_checkpoint writes step-0 into the checkpoint folder; "
         "add --checkpoint.enable_checkpoint",
     )
+    _check(
+        not t.skip_nonfinite_steps or cfg.optimizer.implementation == "fused",
+        "training.skip_nonfinite_steps skips a step inside the fused optimizer kernel (it leaves the weights and "
+        f"AdamW's state untouched); optimizer.implementation is {cfg.optimizer.implementation}: set it to fused",
+    )
     src = cfg.checkpoint.initial_load_path
     _check(
         cfg.model.flavor != FROM_CHECKPOINT or src is not None,

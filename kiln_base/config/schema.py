@@ -266,6 +266,14 @@ class Training:
         None, "Random seed; same seed, same init.", valid=Range(lo=0, hi=2**64 - 1, note="torch.manual_seed's range")
     )
     deterministic: bool = _f(False, "Use deterministic algorithms (bitwise-repeatable runs; slower).")
+    skip_nonfinite_steps: int = _f(
+        0,
+        "0 = a non-finite loss or grad norm stops the run (exit 1). N > 0: a step whose loss or grad norm is "
+        "non-finite on any rank is skipped on every rank (no optimizer, no LR-scheduler step; its batch is not "
+        "trained on) and logged; N consecutive skipped steps stop the run as 0 does. Needs optimizer.implementation "
+        "fused (docs/observability.md).",
+        valid=AT_LEAST_0,
+    )
     memory_budget_gib: float | None = _f(
         None,
         "Memory one rank may use, in GiB: before any weight is allocated, the dry run's per-rank estimate (weights, "

@@ -3,13 +3,16 @@ shared crafting tools of the tests of kiln's refusals (tests/trainer/test_hostil
 tests/e2e/test_hostile_run_train.py) and of scratch attack scripts.
 
 Every function edits files of a checkpoint kiln itself wrote (so only the named part is hostile) and reads kiln's
-own `.metadata` with plain pickle: these are the test's files, not a stranger's.
+own `.metadata` with plain pickle: these are the test's files, not a stranger's. An edit reseals the checkpoint
+(its kiln.json's checksums made those of the edited files, as anyone who can edit the files can): what is tested
+then is what the reader does with hostile content, not the checksums (tests/trainer/test_checkpoint_checksums.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -45,8 +48,22 @@ def read_md(step: Path) -> Any:
         return pickle.load(f)  # kiln's own, good file
 
 
+def reseal(step: Path) -> None:
+    """Make the checksums in `step`'s kiln.json those of its files as they are now (no-op without a kiln.json)."""
+    from trainer.components.checkpoint_checksums import file_checksum
+
+    marker = step / "kiln.json"
+    if not marker.is_file():
+        return
+    saved = json.loads(marker.read_text())
+    sums = saved.get("checksums", {})
+    saved["checksums"] = {name: file_checksum(str(step / name)) for name in sums if (step / name).is_file()}
+    marker.write_text(json.dumps(saved))
+
+
 def write_md(step: Path, md: Any) -> None:
     (step / ".metadata").write_bytes(pickle.dumps(md))
+    reseal(step)
 
 
 def torch_saved(obj: object) -> bytes:

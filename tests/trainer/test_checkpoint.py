@@ -19,6 +19,7 @@ import train as train_entry
 from kiln_base.config import Checkpoint, parse_args
 from models import LLAMA3_FLAVORS, ModelArgs
 from tests.helpers.checkpoints import SMALL, TINY, names, snapshot, train_tiny
+from tests.helpers.hostile import reseal
 from tests.helpers.kiln_process import CKPT_DRIVER, run_kiln
 from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
 from trainer.trainer import Trainer
@@ -172,6 +173,8 @@ def test_bad_checkpoints_are_clear_errors_and_touch_nothing(
     with open(step / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(b"\x00" * info.length)
+    fails("bytes", f"checkpoint file {step / info.relative_path} is damaged: its checksum is crc32:")
+    reseal(step)  # checksums made to match: the reader's own check is what stops it then
     fails("bytes", "could not be read (corrupt?)")
 
     fails("good", "checkpoint.load_step 7: no complete checkpoint", "--checkpoint.load_step", "7")

@@ -10,7 +10,6 @@ start, before the model is built.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
@@ -28,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 import train as train_entry
 from kiln_base.config import parse_args
 from tests.helpers.checkpoints import TINY, names, snapshot
+from tests.helpers.hostile import rewrite_item
 from tests.helpers.kiln_process import run_kiln, run_python
 from tests.helpers.scripts import load_script
 from trainer.trainer import Trainer
@@ -73,21 +73,6 @@ def refused(dump: Path, capsys: pytest.CaptureFixture, *args: str) -> str:
 def good_run(dump: Path, steps: int = 2, *args: str) -> Path:
     assert train(dump, *CKPT, "--training.steps", str(steps), *args) == 0
     return dump / "checkpoint"
-
-
-def rewrite_item(step: Path, fqn: str, data: bytes) -> None:
-    """Point checkpoint item `fqn` at `data` (appended to its shard file), as someone editing the files would."""
-    with open(step / ".metadata", "rb") as f:
-        md = pickle.load(f)  # our own, good file
-    index = next(i for i in md.storage_data if i.fqn == fqn)
-    info = md.storage_data[index]
-    shard = step / info.relative_path
-    offset = shard.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(data)
-    md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data))
-    with open(step / ".metadata", "wb") as f:
-        pickle.dump(md, f)
 
 
 def torch_saved(obj: object) -> bytes:

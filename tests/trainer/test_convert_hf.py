@@ -136,6 +136,8 @@ def test_cli_trainer_checkpoint_to_hf_and_back(tmp_path: Path, small_model: None
     assert conv.main(["from_hf", str(hf_dir), str(back)]) == 0
     original, _ = conv.load_kiln_weights(str(tmp_path / "run" / "checkpoint" / "step-1"))
     converted, _ = conv.load_kiln_weights(str(back / "step-0"))
+    sums = json.loads((back / "step-0" / "kiln.json").read_text())["checksums"]  # verified when a run loads it
+    assert set(sums) == {".metadata", "__0_0.distcp"}
     assert converted.keys() == original.keys() and all(torch.equal(converted[k], original[k]) for k in original)
     assert conv.main(["from_hf", str(hf_dir), str(back)]) == 2  # never overwrites
     assert "already exists" in capsys.readouterr().err

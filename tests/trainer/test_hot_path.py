@@ -25,10 +25,12 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("accum", ["2", "4"])
-def test_non_log_step_has_no_host_sync(tmp_path: Path, accum: str) -> None:
+@pytest.mark.parametrize(("accum", "skip"), [("2", "0"), ("4", "0"), ("2", "3")])
+def test_non_log_step_has_no_host_sync(tmp_path: Path, accum: str, skip: str) -> None:
+    """Also with training.skip_nonfinite_steps: its decision stays on the device."""
     argv = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
     argv += ["--training.local_batch_size", "2", "--training.global_batch_size", accum, "--model.n_layers", "2"]
+    argv += ["--training.skip_nonfinite_steps", skip]
     with open_trainer([*argv, "--training.steps", "3"]) as trainer:
         trainer.train_step()  # the first step may initialise optimizer state
         counter = SyncCounter()

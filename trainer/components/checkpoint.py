@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
 from kiln_base.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
+from trainer.components.checkpoint_checksums import ChecksummingWriter, collect, verify
 from trainer.components.checkpoint_folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
@@ -135,6 +136,21 @@ def plain_tensor(t: Any) -> Any:
         return mxfp8_weight_data(t)
     inner = float8_weight_inner(t)
     return t if inner is None else inner
+
+
+def reset_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Set the step counts of an optimizer that has not stepped back to 0.
+
+    torch's get_optimizer_state_dict creates the state of an optimizer that has none by taking one step with zero
+    gradients at lr 0: the weights and Adam's moments stay exactly as they were (zeros), but the step count becomes
+    1. Saved so (the seed checkpoint, step-0), the run it seeds would take its first step with Adam's bias
+    corrections for step 2, and from step 2 on train a different run than one started from scratch. With the count
+    at 0 the state is, bit for bit, what a fresh AdamW creates at its first step (trainer/components/optim.py).
+    """
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
 
 
 def _is_dataclass_instance(obj: Any) -> TypeGuard[DataclassInstance]:
@@ -286,7 +302,10 @@ class CheckpointManager:
             if name == MODEL:
                 continue
             if name == OPTIMIZER:
+                unstepped = not obj.state
                 osd = get_optimizer_state_dict(self.states[MODEL], obj, options=_OPTIM_OPTIONS)
+                if unstepped:
+                    reset_step_counts(obj)
                 sd[name] = {k: plain_tensor(v) for k, v in osd.items()}
             else:
                 sd[name] = obj.state_dict()
@@ -421,6 +440,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
+        verify(path, entry.marker())  # a damaged file: CheckpointError naming it, on every rank
         load(sd, path, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]
@@ -535,13 +555,14 @@ class CheckpointManager:
         tmp = os.path.join(self.folder, name + ".tmp")
         if background:
             kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
-            result = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._pg, **kwargs)
+            writer = ChecksummingWriter(tmp)  # checksums in the background thread that writes the files
+            result = dcp.async_save(sd, checkpoint_id=tmp, storage_writer=writer, process_group=self._pg, **kwargs)
             future = getattr(result, "upload_completion", result)  # AsyncSaveResponse with a custom stager
             self._pending = (future, step, weights_only, t0)
             logger.info(f"Checkpoint {name}: staged in {time.perf_counter() - t0:.2f} s, writing in background")
             return
         with self._writing(name):
-            dcp.save(sd, checkpoint_id=tmp)
+            dcp.save(sd, checkpoint_id=tmp, storage_writer=ChecksummingWriter(tmp))
             self._publish(step, weights_only)
         logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
 
@@ -593,7 +614,9 @@ class CheckpointManager:
         if self.rank != 0:
             return
         dtype = self.cfg.export_dtype if weights_only else "float32"
-        publish(self.folder, save_name(step, export=weights_only), self._marker(step, weights_only, dtype))
+        name = save_name(step, export=weights_only)
+        checksums = collect(os.path.join(self.folder, name + ".tmp"))  # every rank's files, and .metadata
+        publish(self.folder, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
         purge(self.folder, self.cfg.keep_latest_k)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from kiln_base.errors import CheckpointError, ConfigError
 from kiln_base.files import loads_json, read_bounded
 from models.args import ModelArgs, stored_model_args
 from trainer.components.checkpoint import MARKER, read_metadata, resolve_step_dir
+from trainer.components.checkpoint_checksums import verify
 from trainer.components.checkpoint_folder import MARKER_LIMIT, agree
 from trainer.components.checkpoint_reader import check_loaded_state
 from trainer.components.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
@@ -135,6 +136,11 @@ def load_initial(
 
         md = read_metadata(source.path)
         check_matches(source.path, targets, md, weights_only=True, held_elsewhere=elsewhere)
+        try:
+            marker = loads_json(read_bounded(os.path.join(source.path, MARKER), MARKER_LIMIT, "a kiln.json"))
+        except (OSError, ValueError):
+            marker = None  # a torchtitan or converted checkpoint: verify() says it is unverified
+        verify(source.path, marker)
         load(targets, source.path, md)
         error = None
         try:

@@ -1,0 +1,118 @@
+"""Checksums of a checkpoint's files: recorded when each file is written, verified before a load reads it.
+
+A flipped bit in a `.distcp` file (bit rot on a disk, a bad copy between clusters) would otherwise load and train
+on silently: DCP's records carry no checksum, and a flipped bit inside a tensor is a valid tensor.
+
+Saving: every rank writes its files through ChecksummingWriter (DCP's FileSystemWriter), which, right after its
+writes and in the same thread (a background thread under checkpoint.async_mode), computes the CRC-32 of each file it
+wrote and leaves them in a small sidecar, `.kiln-checksums-<rank>.json`. When the save is complete, rank 0 merges the
+sidecars and the checksum of `.metadata` into kiln.json (`"checksums": {"__0_0.distcp": "crc32:1a2b3c4d", ...}`)
+and removes them (collect). CRC-32: the fastest of the digests the standard library offers on the CPUs measured
+(docs/checkpoint.md, "Checksums"); it catches every single flipped bit and every burst of up to 32, which is
+what it is for: damage, not an attacker (who could rewrite kiln.json as well).
+
+Loading: verify() checks the files of the checkpoint about to be loaded against kiln.json before any record is
+read, each rank a share of them (file i on rank i mod world), and every rank raises the first mismatch: one line
+naming the file. A checkpoint without checksums (saved by an older kiln, torchtitan, or converted) loads with one
+line saying it is unverified.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from kiln_base.errors import CheckpointError
+from kiln_base.files import FileRefused, MiB, loads_json, read_bounded, require_regular, write_atomic
+
+logger = logging.getLogger("kiln")
+
+SIDECAR = ".kiln-checksums-"  # + rank + ".json", in the save's .tmp folder until rank 0 collects it
+METADATA = ".metadata"
+_CHUNK = 8 * MiB
+
+
+def file_checksum(path: str) -> str:
+    """`crc32:<8 hex digits>` of the file's bytes, read in 8 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer, recording the checksum of every file this rank writes (module docstring)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        done = super().write_data(plan, planner)  # FileSystemWriter writes before it returns (a completed future)
+        files = sorted({r.storage_data.relative_path for r in done.value()})
+        sums = {name: file_checksum(os.path.join(self.path, name)) for name in files}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        write_atomic(os.path.join(self.path, f"{SIDECAR}{rank}.json"), json.dumps(sums).encode())
+        return done
+
+
+def collect(folder: str) -> dict[str, str]:
+    """Rank 0, once every rank's files and `.metadata` are written: every file's checksum (the ranks' sidecars and
+    `.metadata`'s), the sidecars removed."""
+    sums: dict[str, str] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(SIDECAR):
+            path = os.path.join(folder, name)
+            sums.update(loads_json(read_bounded(path, 64 * MiB, "a checksum list")))
+            os.remove(path)
+    sums[METADATA] = file_checksum(os.path.join(folder, METADATA))
+    return sums
+
+
+def verify(path: str, marker: Any) -> None:
+    """Check checkpoint `path`'s files against the checksums its kiln.json `marker` recorded, each rank its share;
+    every rank raises the first mismatch (rank order) as a CheckpointError naming the file. A marker that records
+    none: one warning, and nothing checked."""
+    sums = marker.get("checksums") if isinstance(marker, Mapping) else None
+    if not isinstance(sums, dict):
+        logger.warning(f"Checkpoint {path} records no checksums (saved by an older kiln or another tool): unverified")
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    error = None
+    for i, (name, want) in enumerate(sorted(sums.items())):
+        if i % world == rank:
+            error = _mismatch(path, name, want)
+            if error is not None:
+                break
+    if world > 1:
+        errors: list[str | None] = [None] * world
+        dist.all_gather_object(errors, error)  # object collectives run on CPU (gloo) in kiln's process groups
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _mismatch(path: str, name: Any, want: Any) -> str | None:
+    if not isinstance(name, str) or os.sep in name or name in ("", ".", ".."):
+        return f"checkpoint {path}: its kiln.json lists a checksum for {name!r}, not a file name in the folder"
+    file = os.path.join(path, name)
+    try:
+        require_regular(file)
+        got = file_checksum(file)
+    except (OSError, FileRefused) as e:
+        return f"checkpoint file {file} cannot be checked against its checksum: {e}"
+    if got != want:
+        return (
+            f"checkpoint file {file} is damaged: its checksum is {got}, kiln.json recorded {want} when it was saved "
+            "(a flipped bit on disk or in a copy); not loaded: copy the file again from a good copy, or resume from "
+            "another checkpoint (checkpoint.load_step)"
+        )
+    return None
