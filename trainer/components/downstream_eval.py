@@ -153,6 +153,7 @@ def _lm_class() -> type:
             self.model_device = device  # (lm-eval's LM has a `device` property of its own)
             self.requests_scored = 0
             self.tokens_scored = 0
+            self.scored: list[float] = []  # the log-likelihoods of this evaluation's requests, in order
 
         @property
         def eot_token_id(self) -> int:
@@ -205,7 +206,9 @@ def _lm_class() -> type:
             if lay.dp_group is not None:
                 dist.all_reduce(out, group=lay.dp_group)  # each request scored on one rank, zeros elsewhere
             self.requests_scored += len(rows)
-            return out.tolist()
+            lls = out.tolist()
+            self.scored.extend(lls)
+            return lls
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
             raise NotImplementedError("kiln scores multiple-choice tasks only")
@@ -242,6 +245,7 @@ class DownstreamEval:
         self.cfg, self.tasks = cfg, tasks
         self.lm = _lm_class()(tokenizer, score, layout, cfg, max_len, device)
         self.results: dict[int, EvalResult] = {}  # step -> result, for tests and callers
+        self.log_likelihoods: dict[int, list[float]] = {}  # step -> every request's, in lm-eval's order
         self.samples: dict[str, list[dict[str, Any]]] = {}  # the last run's per-example records (lm-eval's)
 
     def run(self, step: int, log_samples: bool = False) -> EvalResult:
@@ -249,6 +253,7 @@ class DownstreamEval:
 
         t0 = time.perf_counter()
         requests0, tokens0 = self.lm.requests_scored, self.lm.tokens_scored
+        self.lm.scored = []
         limit = None if self.cfg.limit == -1 else self.cfg.limit
         # lm-eval's progress bars (tqdm, unconditional where it builds requests) are not kiln's output: dropped.
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
@@ -270,6 +275,7 @@ class DownstreamEval:
             scores, time.perf_counter() - t0, self.lm.requests_scored - requests0, self.lm.tokens_scored - tokens0
         )
         self.results[step] = result
+        self.log_likelihoods[step] = self.lm.scored
         return result
 
 
