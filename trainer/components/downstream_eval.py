@@ -199,14 +199,14 @@ def _lm_class() -> type:
                     tokens, targets = rows[i]
                     inputs[row, : len(tokens)] = torch.tensor(tokens)
                     labels[row, : len(targets)] = torch.tensor(targets)
-                lls = self.score(inputs.to(self.model_device), labels.to(self.model_device))
+                scores = self.score(inputs.to(self.model_device), labels.to(self.model_device))
                 if members:
-                    out[torch.tensor(members, device=self.model_device)] = lls[: len(members)].float()
+                    out[torch.tensor(members, device=self.model_device)] = scores[: len(members)].float()
                     self.tokens_scored += sum(len(rows[i][0]) for i in members)
             if lay.dp_group is not None:
                 dist.all_reduce(out, group=lay.dp_group)  # each request scored on one rank, zeros elsewhere
             self.requests_scored += len(rows)
-            lls = out.tolist()
+            lls: list[float] = out.tolist()
             self.scored.extend(lls)
             return lls
 
