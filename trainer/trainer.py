@@ -281,7 +281,7 @@ class Trainer:
             dp_degree=dims.dp_degree,
             dp_group=dims.dp_mesh.get_group() if dims.dp_degree > 1 else None,
             quantum=dims.tp * (self.cp.layout.n_chunks if self.cp is not None else 1),
-            compiled=cfg.training.compile,
+            shapes="fixed" if cfg.training.compile else "divisors" if self.pipeline is not None else "tight",
         )
         return build_downstream_eval(
             cfg.eval, self.tokenizer, self.eval_log_likelihood, layout, cfg.training.seq_len, self.device

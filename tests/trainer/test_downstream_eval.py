@@ -124,12 +124,15 @@ def test_each_request_scores_its_own_log_likelihood_in_any_batch(runs: dict[str,
     assert check["got"] == pytest.approx(check["want"], abs=1e-4), check  # fp32, padded vs alone
 
 
-def test_padded_length_is_the_smallest_split_divisor_that_holds_the_batch() -> None:
-    assert padded_length(40, 128, 1, fixed=False) == 64
-    assert padded_length(64, 128, 1, fixed=False) == 64
-    assert padded_length(3, 128, 4, fixed=False) == 4
-    assert padded_length(5, 96, 4, fixed=False) == 8  # 96's divisors that are multiples of 4: 4, 8, 12, ...
-    assert padded_length(3, 128, 1, fixed=True) == 128  # compiled: one shape
+def test_padded_length_holds_the_batch_and_splits_over_the_layout() -> None:
+    assert padded_length(40, 128, 1, "tight") == 40
+    assert padded_length(41, 128, 1, "tight") == 48
+    assert padded_length(41, 128, 4, "tight") == 48  # a multiple of tp x cp chunks (and of 8)
+    assert padded_length(41, 128, 6, "tight") == 42
+    assert padded_length(127, 128, 1, "tight") == 128
+    assert padded_length(40, 128, 1, "divisors") == 64  # a pipeline: few shapes (stages per shape)
+    assert padded_length(5, 96, 4, "divisors") == 8  # 96's divisors that are multiples of 4: 4, 8, 12, ...
+    assert padded_length(3, 128, 1, "fixed") == 128  # compiled: one shape
     assert IGNORE == -100  # torch.nn.functional.cross_entropy's ignore_index
 
 

@@ -9,8 +9,8 @@ those lm-eval reports for any other model (docs/evaluation.md says why, and chec
 Scoring (`KilnLM._loglikelihood_tokens`): each request is context + continuation tokens, the last token dropped
 (lm-eval's HF backend does the same, left-truncated to the model's context); the label of every position that
 predicts a continuation token is that token, the others are ignored (-100). Requests are sorted by length, longest
-first, and cut into batches of eval.batch_size rows, each padded to the shortest length that holds its longest row
-and that the layout can split (`padded_length`). Batch b goes to data-parallel rank b mod dp: every rank of that
+first, and cut into batches of eval.batch_size rows, each padded to about its longest row, a length the layout can
+split (`padded_length`). Batch b goes to data-parallel rank b mod dp: every rank of that
 replica (TP, CP, PP) runs the same forward through `score` (the Trainer's eval_logprobs: the validation forward of
 the layout, returning each row's summed log-likelihood on every rank of the replica), ranks short of a batch run a
 padding batch (FSDP's all-gathers need every rank in every forward), and one all-reduce over the data-parallel ranks
@@ -110,13 +110,17 @@ def load_tasks(cfg: Eval) -> dict[str, Any]:
     return tasks
 
 
-def padded_length(longest: int, max_len: int, quantum: int, fixed: bool) -> int:
-    """The length a batch whose longest row is `longest` is padded to: the smallest divisor of `max_len` (the
-    training sequence length, which the layout can split) that is a multiple of `quantum` (the layout's split:
-    tensor-parallel degree x context-parallel chunks) and holds `longest`; `max_len` itself when `fixed` (a compiled
-    model: one shape, no recompile)."""
-    if fixed:
+def padded_length(longest: int, max_len: int, quantum: int, shapes: str) -> int:
+    """The length a batch whose longest row is `longest` is padded to, a multiple of `quantum` (the layout's split
+    of a sequence: tensor-parallel degree x context-parallel chunks) and at most `max_len` (the training sequence
+    length, which the layout can split). `shapes`: "tight", the next multiple of quantum (and of 8 when quantum
+    divides 8); "divisors", the smallest divisor of max_len that holds it (a pipeline builds stages per shape: a
+    few shapes); "fixed", max_len (a compiled model: one shape, no recompile)."""
+    if shapes == "fixed":
         return max_len
+    if shapes == "tight":
+        step = quantum * max(1, 8 // quantum)
+        return min(max_len, -(-longest // step) * step)
     for d in range(quantum, max_len + 1, quantum):
         if max_len % d == 0 and d >= longest:
             return d
@@ -126,13 +130,13 @@ def padded_length(longest: int, max_len: int, quantum: int, fixed: bool) -> int:
 @dataclass(frozen=True)
 class Layout:
     """What the scoring needs of the layout: this rank's data-parallel rank and degree, their group (None without
-    data parallelism), the multiple every padded length must be, and whether the model is compiled."""
+    data parallelism), the multiple every padded length must be, and which lengths batches take (padded_length)."""
 
     dp_rank: int
     dp_degree: int
     dp_group: dist.ProcessGroup | None
     quantum: int
-    compiled: bool
+    shapes: str  # tight | divisors (pipeline) | fixed (compiled)
 
 
 def _lm_class() -> type:
@@ -192,7 +196,7 @@ def _lm_class() -> type:
                 b = r * lay.dp_degree + lay.dp_rank
                 members = batches[b] if b < len(batches) else []  # past the last batch: a padding batch
                 longest = max((len(rows[i][0]) for i in members), default=1)
-                length = padded_length(longest, self.max_len, lay.quantum, lay.compiled)
+                length = padded_length(longest, self.max_len, lay.quantum, lay.shapes)
                 inputs = torch.full((bs, length), pad, dtype=torch.long)
                 labels = torch.full((bs, length), IGNORE, dtype=torch.long)
                 for row, i in enumerate(members):
