@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,28 @@ def test_a_task_whose_data_does_not_load_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"eval.tasks: task '.*broken.yaml' does not load \("):
         load_tasks(Eval(enable=True, tasks=[str(path)], include_path=[]))
+
+
+def test_eval_time_is_left_out_of_tokens_per_second() -> None:
+    """The hook hands the evaluation's seconds to MetricsLogger.discount (the next line's tps and mfu leave them
+    out, as validation's do), on step 1, every freq steps and the last step only."""
+    from trainer.components.downstream_eval import EvalResult
+    from trainer.hooks import DownstreamEvalHook, StepOutput
+
+    class Slow:
+        def run(self, step: int) -> EvalResult:
+            time.sleep(0.2)
+            return EvalResult({"t": {"acc": 0.5, "acc_norm": 0.25, "examples": 4}}, 0.2, 16, 100)
+
+    class Metrics:
+        is_logging_rank, writer = True, None
+        discounted: list[float] = []
+
+        def discount(self, seconds: float) -> None:
+            self.discounted.append(seconds)
+
+    metrics = Metrics()
+    hook = DownstreamEvalHook(Slow(), 5, metrics)  # type: ignore[arg-type]
+    for step in (1, 2, 5, 6, 7):
+        hook.post_step(StepOutput(step, step == 7, torch.zeros(()), torch.zeros(()), 0.0))
+    assert len(metrics.discounted) == 3 and min(metrics.discounted) >= 0.2  # steps 1, 5 and 7 (the last)
