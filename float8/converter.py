@@ -50,7 +50,7 @@ def is_float8_linear(module: nn.Module) -> bool:
         return True
     if isinstance(module, MXFP8Linear):
         return is_mxfp8_weight(module.weight)
-    return type(module).__name__ == "Float8Linear"
+    return any(cls.__name__ == "Float8Linear" for cls in type(module).__mro__)  # or FusedRowwiseFloat8Linear
 
 
 class MXFP8Linear(nn.Linear):
@@ -308,6 +308,11 @@ class Float8Converter:
             if not torch.cuda.is_available():
                 skip_torchao_triton_min_max_patch()  # a GPU-only codegen fix whose import costs 0.7 s per rank
             convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
+            if self.cfg.rowwise_fused_cast:  # same modules, kiln's fused casts (float8/rowwise_fused.py)
+                from float8.rowwise_fused import FusedRowwiseFloat8Linear
+
+                for fqn in chosen:
+                    model.get_submodule(fqn).__class__ = FusedRowwiseFloat8Linear
         for fqn, mod in model.named_modules():
             if fqn in chosen:
                 assert is_float8_linear(mod), fqn
@@ -318,7 +323,11 @@ class Float8Converter:
             if not d.converted:
                 skipped.setdefault(d.reason, []).append(d.fqn)
         why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
-        on = [("fsdp float8 all-gather", self.cfg.enable_fsdp_float8_all_gather), ("emulate", self.cfg.emulate)]
+        on = [
+            ("fsdp float8 all-gather", self.cfg.enable_fsdp_float8_all_gather),
+            ("emulate", self.cfg.emulate),
+            ("fused casts", self.cfg.rowwise_fused_cast),
+        ]
         flags = "".join(f" + {name}" for name, enabled in on if enabled)
         into = "MXFP8 weights" if self.cfg.is_mxfp8 else "NVFP4Linear" if self.cfg.is_nvfp4 else "Float8Linear"
         logger.info(

@@ -7,8 +7,16 @@ torch is imported inside the functions, so importing this module stays light.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import os
 
-from kiln_base.config import Float8, check_float8_cpu, check_float8_gpus, check_torchao
+from kiln_base.config import (
+    Float8,
+    check_float8_cpu,
+    check_float8_gpus,
+    check_rowwise_fused_cast_machine,
+    check_torchao,
+)
 
 
 def torchao_version() -> str | None:
@@ -31,6 +39,18 @@ def check_float8_environment(cfg: Float8) -> None:
             for i in range(torch.cuda.device_count())
         ]
         check_float8_gpus(cfg, gpus, rocm=torch.version.hip is not None)
+        _check_fused_cast_machine(cfg, "cuda", rocm=torch.version.hip is not None)
+
+
+def _check_fused_cast_machine(cfg: Float8, device: str, rocm: bool = False) -> None:
+    """float8.rowwise_fused_cast's Triton kernels: installed, and on a CPU run by Triton's interpreter."""
+    check_rowwise_fused_cast_machine(
+        cfg,
+        device=device,
+        rocm=rocm,
+        triton=importlib.util.find_spec("triton") is not None,
+        interpreter=os.environ.get("TRITON_INTERPRET") == "1",
+    )
 
 
 def check_cpu_float8(cfg: Float8) -> None:
@@ -43,3 +63,4 @@ def check_cpu_float8(cfg: Float8) -> None:
 
     rowwise_matmul = cfg.emulate or cfg.recipe == "tensorwise" or cfg.is_mxfp8 or cpu_scaled_mm_supports_rowwise()
     check_float8_cpu(cfg, torch.__version__, rowwise_matmul)
+    _check_fused_cast_machine(cfg, "cpu")

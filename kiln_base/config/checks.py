@@ -71,6 +71,7 @@ def check_config(cfg: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
     _check_float8_flags(cfg.float8)
+    _check_rowwise_fused_cast(cfg)
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline_flags(cfg)
     _check(
@@ -184,6 +185,41 @@ def _check_float8_flags(cfg: Float8) -> None:
             "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather "
             "(it precomputes the scales of float8-all-gathered weights)"
         )
+
+
+def _check_rowwise_fused_cast(cfg: JobConfig) -> None:
+    """float8.rowwise_fused_cast: kiln's fused casts of the rowwise recipe (float8/rowwise_fused.py), which run on
+    whole (unsharded) operands only."""
+    f8 = cfg.float8
+    if not f8.rowwise_fused_cast:
+        return
+    if not f8.enable_float8_linear or f8.recipe != "rowwise":
+        now = f"float8.recipe_name is '{f8.recipe}'" if f8.enable_float8_linear else "float8 is off"
+        raise ConfigError(
+            f"float8.rowwise_fused_cast fuses the casts of recipe_name rowwise, but {now}; add "
+            "--float8.enable_float8_linear --float8.recipe_name rowwise, or drop the flag"
+        )
+    tp = cfg.parallelism.tensor_parallel_degree
+    _check(
+        tp == 1,
+        f"float8.rowwise_fused_cast casts whole operands and does not run under tensor parallelism "
+        f"(parallelism.tensor_parallel_degree {tp}); drop the flag (torchao's rowwise casts run under TP) or set "
+        "tensor_parallel_degree 1",
+    )
+
+
+def check_rowwise_fused_cast_machine(cfg: Float8, *, device: str, rocm: bool, triton: bool, interpreter: bool) -> None:
+    """float8.rowwise_fused_cast runs Triton kernels: on an NVIDIA GPU (e4m3fn; ROCm's float8 is e4m3fnuz), or on
+    a CPU through Triton's interpreter (TRITON_INTERPRET=1, as the tests do)."""
+    if not (cfg.enable_float8_linear and cfg.rowwise_fused_cast):
+        return
+    _check(triton, "float8.rowwise_fused_cast needs Triton, which is not installed (pip install triton); drop the flag")
+    _check(not rocm, "float8.rowwise_fused_cast: its kernels write e4m3fn, not ROCm's e4m3fnuz; drop the flag on ROCm")
+    _check(
+        device == "cuda" or interpreter,
+        "float8.rowwise_fused_cast runs Triton kernels: on a CPU only through Triton's interpreter "
+        "(TRITON_INTERPRET=1, slow: for tests); drop the flag or set TRITON_INTERPRET=1",
+    )
 
 
 def _check_pipeline_flags(cfg: JobConfig) -> None:

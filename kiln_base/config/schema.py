@@ -449,6 +449,12 @@ class Float8:
     )
     filter_fqns: list[str] = _f(["output"], "Linears whose name contains one of these stay high precision.")
     emulate: bool = _f(False, "Emulate float8 matmuls (CPU tests, GPUs below SM 8.9).")
+    rowwise_fused_cast: bool = _f(
+        False,
+        "recipe_name rowwise only: compute the row amax, power-of-two scale, e4m3 cast and transposed copy of each "
+        "Linear operand in kiln's two Triton kernels (float8/rowwise_kernels.py) instead of torchao's separate casts; "
+        "bit-identical numerics. Needs Triton: a CUDA GPU, or TRITON_INTERPRET=1 on a CPU (slow, for tests).",
+    )
     auto_filter_small_kn: bool = _f(
         False, "Also keep Linears whose GEMM is too small to gain in high precision (torchao's H100 thresholds)."
     )
