@@ -8,6 +8,7 @@ torch.distributed.pipelining schedule (torchtitan's approach).
     pipeline = Pipeline(parts, plan, ...)          PipelineStage per part + the schedule
     pipeline.step(inputs, labels, loss_scale)      forward + backward of every micro-batch
     pipeline.evaluate(inputs, labels)              forward only (validation), through stages of its own
+    pipeline.evaluate_rows(inputs, labels, fn)     forward only, a value per row (downstream evaluation)
 
 A stage is a deep copy of the meta-device model with the modules of other stages removed (tok_embeddings, norm
 and output set to None; blocks deleted from `layers`, a ModuleDict keyed by layer id): its parameters keep the
@@ -111,6 +112,7 @@ class Pipeline:
         self.stages, self.schedule = self._schedule(plan.microbatches, self._loss)
         self.scale = 1  # set per step: the micro-batch losses summed into one optimizer step's gradients
         self._eval: dict[int, Any] = {}  # validation schedules by micro-batch count, built at first use
+        self._rows: dict[tuple[int, int], Any] = {}  # evaluation schedules by (micro-batch count, length)
         logger.info(
             f"Pipeline: {plan.schedule}, {n} stages over {plan.degree} ranks (this rank: stages "
             f"{', '.join(map(str, stage_ids))}), {plan.microbatches} micro-batches per local batch"
@@ -181,6 +183,35 @@ class Pipeline:
         losses: list[Any] | None = [] if self.has_last else None
         self._eval[n].eval(*args, target=target, losses=losses, **kwargs)
         return self._summed(losses, 1)
+
+    def evaluate_rows(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        row_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward only through every stage (downstream evaluation, under torch.no_grad): `row_fn(logits, labels)`
+        of each micro-batch on the last stage, one value per row, the batch's (rows,) on every rank of the pipeline.
+        Stages and schedules of its own, one per (micro-batch count, length): torch's stages keep the buffers made
+        for the shapes they first ran."""
+        n = inputs.shape[0] // self.microbatch_size
+        key = (n, inputs.shape[1])
+        if key not in self._rows:
+            schedule = self._schedule(n, row_fn)[1]
+            if self.plan.schedule == "ZBVZeroBubble":
+                forward_only_schedule(schedule)
+            self._rows[key] = schedule
+        args, kwargs = self._inputs(inputs, positions)
+        target = labels if self.has_last else None
+        outs: list[Any] | None = [] if self.has_last else None
+        self._rows[key].eval(*args, target=target, losses=outs, **kwargs)
+        if outs:
+            rows = torch.cat([x.full_tensor() if isinstance(x, DTensor) else x for x in outs]).float()
+        else:
+            rows = torch.zeros(inputs.shape[0], device=self.device)
+        dist.all_reduce(rows, group=self.group)  # the last stage's values, zeros elsewhere: exact
+        return rows
 
     def _summed(self, losses: list[Any] | None, factor: int) -> torch.Tensor:
         """The last stage's micro-batch losses (each already divided by the micro-batch count) summed, x `factor`,

@@ -64,7 +64,8 @@ def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.glob("**/*.py"):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", ".git", "gpu_bundle") or rel.parts[0].startswith("."):  # gpu_bundle: generated
+        # gpu_bundle: generated; assets: data, e.g. the loader lm-eval runs beside a task's files (assets/eval)
+        if rel.parts[0] in ("tests", ".git", "gpu_bundle", "assets") or rel.parts[0].startswith("."):
             continue
         name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         if rel.name == "__init__.py" and not _imports(path):

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from trainer.components.preemption import StopOnSignal
 from trainer.components.validate import ValidationResult, Validator
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+if TYPE_CHECKING:
+    from trainer.components.downstream_eval import DownstreamEval
 
 logger = logging.getLogger("kiln")
 
@@ -166,6 +170,31 @@ class ValidationHook(StepHook):
             t0 = time.perf_counter()
             self.result = self.validator.run(out.step)
             self.metrics.discount(time.perf_counter() - t0)
+
+
+class DownstreamEvalHook(StepHook):
+    """eval.enable: lm-eval multiple-choice accuracy of the weights after the optimizer step of step 1, every
+    eval.freq-th step and the last step (trainer/components/downstream_eval.py). Its own log line on the logging rank
+    and kiln/eval/<task>/acc, acc_norm and kiln/eval_seconds on the dashboards; its time is left out of tokens/s."""
+
+    def __init__(self, downstream: DownstreamEval, freq: int, metrics: MetricsLogger) -> None:
+        self.downstream, self.freq, self.metrics = downstream, freq, metrics
+
+    def post_step(self, out: StepOutput) -> None:
+        if not (validation_due(out.step, self.freq) or out.last):
+            return
+        t0 = time.perf_counter()
+        result = self.downstream.run(out.step)
+        if self.metrics.is_logging_rank:
+            logger.info(result.line(out.step))
+        writer = self.metrics.writer
+        if writer is not None:
+            for task, scores in result.scores.items():
+                for metric in ("acc", "acc_norm"):
+                    writer.add_scalar(f"kiln/eval/{task}/{metric}", scores[metric], out.step)
+            writer.add_scalar("kiln/eval_seconds", result.seconds, out.step)
+            writer.flush()
+        self.metrics.discount(time.perf_counter() - t0)
 
 
 class MetricsHook(StepHook):
@@ -326,11 +355,13 @@ def build_hooks(
     losses: list[float],
     validator: Validator | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    downstream: DownstreamEval | None = None,
 ) -> list[StepHook]:
     """The hooks phase of the build: the loop's non-training concerns, in the order they run. `losses` collects the
     logged losses; `global_mean` averages a loss over the data-parallel ranks (a collective, log steps only);
     `validator` (validation.enable) validates at step 1 and every validation.freq steps; `pp_group`: under pipeline
-    parallelism the pipeline's ranks (the float8 check and report cover every stage)."""
+    parallelism the pipeline's ranks (the float8 check and report cover every stage); `downstream` (eval.enable)
+    scores the eval tasks at step 1, every eval.freq steps and the last step."""
     rank = dist.get_rank()
     f8, t = cfg.float8, cfg.training
     stop = StopRequestHook()  # first in post_step: every later hook knows whether this is the last step run
@@ -364,6 +395,7 @@ def build_hooks(
         *hooks,
         NonFiniteHook(nan_guard, must_check, checkpointer.folder),  # before metrics and saves
         *([validation] if validation is not None else []),  # after the guard: never validates a non-finite step
+        *([DownstreamEvalHook(downstream, cfg.eval.freq, metrics)] if downstream is not None else []),
         MetricsHook(metrics, t.steps, global_mean, losses, force=lambda: stop.stopping, validation=validation),
         CheckpointHook(checkpointer),
         CollectiveTimeoutHook(long_steps, cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds),

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.dist import PeerWatch, set_determinism
 from trainer.components.initial_load import InitialSource, load_initial, open_source
-from trainer.components.loss import build_loss_fn
+from trainer.components.loss import build_loss_fn, row_log_likelihood
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
 from trainer.components.resume import apply_config_hyperparameters, check_resume
@@ -46,6 +47,9 @@ from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
 from trainer.tools.guards import NonFiniteGuard, NonFiniteSkip
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
+
+if TYPE_CHECKING:
+    from trainer.components.downstream_eval import DownstreamEval
 
 logger = logging.getLogger("kiln")
 
@@ -182,6 +186,8 @@ class Trainer:
             cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
         )
 
+        self.downstream = self._downstream_eval(cfg) if cfg.eval.enable else None  # [eval]: tasks load now
+
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
@@ -259,6 +265,38 @@ class Trainer:
         with self.loss_context():
             loss = self.forward_loss(inputs, labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def eval_log_likelihood(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Downstream evaluation (the caller holds torch.no_grad): per row, the summed log-likelihood of the labels
+        that are not -100, (rows,), on every rank of the model replica. The validation forward of the layout:
+        under pipeline parallelism through every stage (Pipeline.evaluate_rows), under context parallelism each rank
+        its part of the rows, summed over the CP group."""
+        batch = self.local_batch(inputs, labels)
+        with self.amp, self.loss_context():
+            if self.pipeline is not None:
+                rows = self.pipeline.evaluate_rows(batch.inputs, batch.labels, row_log_likelihood, batch.positions)
+            else:
+                rows = row_log_likelihood(self.model(batch.inputs, positions=batch.positions), batch.labels)
+        if self.cp is not None:
+            dist.all_reduce(rows, group=self.parallel_dims.cp_mesh.get_group())
+        return rows
+
+    def _downstream_eval(self, cfg: JobConfig) -> DownstreamEval:
+        """[eval]: the tasks (loaded now: a task that cannot run stops the run before its first step) and kiln's
+        model behind lm-eval's interface, scoring through eval_log_likelihood."""
+        from trainer.components.downstream_eval import Layout, build_downstream_eval  # lm-eval: an optional extra
+
+        dims = self.parallel_dims
+        layout = Layout(
+            dp_rank=dims.dp_mesh.get_local_rank(),
+            dp_degree=dims.dp_degree,
+            dp_group=dims.dp_mesh.get_group() if dims.dp_degree > 1 else None,
+            quantum=dims.tp * (self.cp.layout.n_chunks if self.cp is not None else 1),
+            shapes="fixed" if cfg.training.compile else "divisors" if self.pipeline is not None else "tight",
+        )
+        return build_downstream_eval(
+            cfg.eval, self.tokenizer, self.eval_log_likelihood, layout, cfg.training.seq_len, self.device
+        )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
@@ -366,6 +404,7 @@ class Trainer:
             losses=self.losses,
             validator=self.validator,
             pp_group=self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
+            downstream=self.downstream,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:

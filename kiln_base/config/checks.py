@@ -29,6 +29,7 @@ from kiln_base.config.schema import (
     FROM_CHECKPOINT,
     PP_SCHEDULES,
     PP_ZERO_BUBBLE,
+    Eval,
     Float8,
     JobConfig,
     Model,
@@ -125,12 +126,30 @@ def check_config_alone(cfg: JobConfig) -> None:
             "training.dataset_mix and training.dataset_path are both set; give one (a mix of one source is "
             "dataset_path)",
         )
+        if cfg.eval.enable:
+            _check_eval_files(cfg.eval)
         # find_spec looks the package up without importing it (wandb takes ~2 s to import).
         _check(
             not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None,
             "metrics.enable_wandb needs the wandb package, which is not installed (pip install 'wandb>=0.17', or "
             "kiln's extra: pip install -e '.[wandb]'); or drop metrics.enable_wandb",
         )
+
+
+def _check_eval_files(cfg: Eval) -> None:
+    """[eval] on: lm-eval installed, the include folders and the task files there. Whether a task name exists, its
+    data loads and it is multiple choice needs lm-eval: the eval phase checks it before the first step."""
+    _check(
+        importlib.util.find_spec("lm_eval") is not None,
+        "eval.enable needs lm-eval (lm-evaluation-harness), which is not installed (pip install 'lm-eval==0.4.13', "
+        "or kiln's extra: pip install -e '.[eval]'); or drop eval.enable",
+    )
+    _check(bool(cfg.tasks), "eval.tasks is empty; name at least one task (the bundled one: kiln_cloze)")
+    for folder in cfg.include_path:
+        _check(os.path.isdir(folder), f"eval.include_path: not a folder: {folder} (a folder of lm-eval task files)")
+    for task in cfg.tasks:
+        if task.endswith((".yaml", ".yml")):
+            _check(os.path.isfile(task), f"eval.tasks: task file not found: {task} (an lm-eval task YAML file)")
 
 
 def _check_float8_flags(cfg: Float8) -> None:
@@ -191,6 +210,8 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
     check_microbatches(p, cfg.training.local_batch_size)
     if cfg.validation.enable:  # validation runs through the pipeline too, in micro-batches of the same size
         check_microbatches(p, validation_shape(cfg.validation, cfg.training)[0], "validation.local_batch_size")
+    if cfg.eval.enable:  # evaluation batches run through the pipeline in micro-batches of the same size
+        check_microbatches(p, cfg.eval.batch_size, "eval.batch_size")
     if p.pipeline_parallel_schedule in PP_ZERO_BUBBLE and cfg.training.compile:
         raise ConfigError(
             f"{PP}schedule {p.pipeline_parallel_schedule} splits each backward into input and weight gradients, "

@@ -61,6 +61,9 @@ def _resolve_paths(cfg: JobConfig) -> None:
         cfg.validation.dataset_path = resolve_input_path(cfg.validation.dataset_path)
     for source in cfg.training.dataset_mix:
         source.path = resolve_input_path(source.path)
+    # eval: folders of task files, and tasks given as YAML paths (names stay names)
+    cfg.eval.include_path = [resolve_input_path(p) for p in cfg.eval.include_path]
+    cfg.eval.tasks = [resolve_input_path(t) if t.endswith((".yaml", ".yml")) else t for t in cfg.eval.tasks]
     if cfg.checkpoint.initial_load_path is not None:
         cfg.checkpoint.initial_load_path = resolve_output_path(cfg.checkpoint.initial_load_path)
 

@@ -334,6 +334,35 @@ def validation_shape(v: Validation, t: Training) -> tuple[int, int]:
 
 
 @dataclass
+class Eval:
+    """[eval]: downstream multiple-choice accuracy in the loop: lm-evaluation-harness tasks from local files, scored
+    by the sharded model (trainer/components/downstream_eval.py, docs/evaluation.md). Needs the eval extra."""
+
+    enable: bool = _f(
+        False,
+        "Score the eval.tasks (acc, acc_norm) at step 1, every eval.freq steps and at the last step; needs lm-eval "
+        "(pip install -e '.[eval]').",
+    )
+    freq: int = _f(100, "Evaluate at step 1, every N steps and at the last step.", valid=AT_LEAST_1)
+    tasks: list[str] = _f(
+        ["kiln_cloze"],
+        "lm-eval multiple-choice tasks: names of tasks under eval.include_path (or lm-eval's own, with their data in "
+        "the HF datasets cache), or paths of task YAML files. kiln_cloze: the bundled task (assets/eval).",
+    )
+    include_path: list[str] = _f(
+        ["assets/eval"], "Folders of lm-eval task YAML files (lm_eval --include_path); the default holds kiln_cloze."
+    )
+    limit: int = _f(
+        -1,
+        "Examples per task (its first N documents); -1 = all.",
+        valid=Range(lo=1, also=(-1,), note="-1 = every example"),
+    )
+    batch_size: int = _f(
+        16, "Sequences (one per context and choice) per forward on each data-parallel rank.", valid=AT_LEAST_1
+    )
+
+
+@dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = _f(1, "DDP/HSDP replicas (across nodes).", valid=AT_LEAST_1)
     data_parallel_shard_degree: int = _f(
@@ -585,6 +614,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)

@@ -32,3 +32,13 @@ def build_loss_fn(compile: bool) -> LossFn:
     """The loss, compiled when the model is (training.compile). Vocab-sharded DTensor logits (TP loss parallel)
     stay eager: the caller passes compile=False for them."""
     return torch.compile(cross_entropy_loss) if compile else cross_entropy_loss
+
+
+def row_log_likelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Downstream evaluation: per row, the summed log-probability (fp32) of the labels that are not -100 (the
+    positions that predict a scored continuation), (batch,). Vocab-sharded DTensor logits (TP loss parallel, inside
+    `loss_parallel()`) give a DTensor per token, made whole here."""
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")  # 0 where ignored
+    if hasattr(nll, "full_tensor"):
+        nll = nll.full_tensor()
+    return -nll.view(labels.shape).sum(-1)
