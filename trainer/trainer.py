@@ -36,6 +36,7 @@ from trainer import build
 from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.dist import PeerWatch, set_determinism
+from trainer.components.fault_tolerance import ReplicaGroup, data_parallel_share
 from trainer.components.initial_load import InitialSource, load_initial, open_source
 from trainer.components.loss import build_loss_fn
 from trainer.components.metrics import MetricsLogger
@@ -133,6 +134,7 @@ class Trainer:
         self.cfg = cfg
         self.checkpoint_claim: FolderClaim | None = None
         self.peers: PeerWatch | None = None
+        self.ft: ReplicaGroup | None = None
         try:
             self._build(cfg)
         except BaseException:
@@ -159,7 +161,7 @@ class Trainer:
         shards = self.parallel_dims.dp_shard * self.parallel_dims.cp * self.parallel_dims.tp  # FSDP: dp_shard x cp
         local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         build.check_fits(cfg, args, shards, local_ranks, self.device)
-        dp_degree = self.parallel_dims.dp_degree
+        dp_degree = data_parallel_share(cfg.fault_tolerance, 0, self.parallel_dims.dp_degree)[1]  # all groups'
         self.grad_accum_steps = grad_accum_steps(t, dp_degree)
         set_determinism(t.seed, t.deterministic)
         self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device)
@@ -192,6 +194,18 @@ class Trainer:
         }
         self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states, built.held_elsewhere)
         self.step = self._resume_or_start(source, built.held_elsewhere, t.steps)
+        if cfg.fault_tolerance.enable:
+            self.ft = ReplicaGroup(
+                cfg.fault_tolerance,
+                self.model,
+                self.optimizer,
+                self.lr_scheduler,
+                get_step=lambda: self.step,
+                set_step=lambda step: setattr(self, "step", step),
+                quorum_timeout_seconds=cfg.comm.init_timeout_seconds,
+                init_sync=t.seed is None,  # unseeded groups drew different weights: the first quorum syncs them
+            )
+            self.ft.resume_at(self.step)
         self.nan_guard = NonFiniteGuard(self.device)
         self.is_logging_rank, self.metrics = metrics_logger(
             cfg, self.device, self.flops_per_token, self.float8 is not None
@@ -303,6 +317,9 @@ class Trainer:
                     loss_sum += self.pipeline.step(batch.inputs, batch.labels, self.grad_accum_steps, batch.positions)
             else:
                 loss_sum += self.forward_backward(inputs, labels)
+        loss = loss_sum / self.grad_accum_steps
+        if self.ft is not None:  # across replica groups: gradient shards and loss averaged over the live groups
+            loss = self.ft.average(self.model.parameters(), loss)
         # Once per step, not per micro-batch (the ETA counts steps). A pipeline's ranks share its tokens: each counts
         # its share, so tps and mfu stay per device (torchtitan divides by the pipeline degree too).
         self.metrics.count_step(tokens // self.parallel_dims.pp, data_time)
@@ -317,11 +334,13 @@ class Trainer:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=foreach)
         self.last_lr = float(self.lr_scheduler.get_last_lr()[0])  # the lr this step used, for the log line
+        if self.ft is not None and not self.ft.should_commit():  # a replica group died during the step
+            return loss, grad_norm
         self.optimizer.step()
         if self.float8 is not None:
             self.float8.post_optimizer_hook(self.model)
         self.lr_scheduler.step()
-        return loss_sum / self.grad_accum_steps, grad_norm
+        return loss, grad_norm
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         """Mean over data- and context-parallel ranks; called on log steps only (.item() syncs with the host)."""
@@ -364,6 +383,10 @@ class Trainer:
         hooks = [*self.build_hooks(), *extra_hooks]
         try:
             while self.step < t.steps:
+                if self.ft is not None:  # the step's quorum; a restarted group heals here (self.step jumps)
+                    self.ft.start_step(t.local_batch_size * self.grad_accum_steps * self.parallel_dims.dp_degree)
+                    if self.step >= t.steps:
+                        break
                 self.step += 1
                 for hook in hooks:
                     hook.pre_step(self.step)
@@ -371,6 +394,9 @@ class Trainer:
                     for hook in hooks:
                         around.enter_context(hook.step_context(self.step))
                     loss, grad_norm = self.train_step()
+                if self.ft is not None and not self.ft.committed:  # not applied: the step is run again
+                    self.step -= 1
+                    continue
                 out = StepOutput(self.step, self.step == t.steps, loss, grad_norm, self.last_lr)
                 for hook in hooks:
                     hook.post_step(out)
@@ -380,6 +406,8 @@ class Trainer:
         logger.info("Training completed")
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.close()
         if self.peers is not None:
             self.peers.close()
         self.dataloader.close()
