@@ -192,7 +192,9 @@ class ReplicaGroup:
         self.committed = self.manager.should_commit()
         if not self.committed:
             error = self.manager.errored()
-            why = str(error.original_exception).splitlines()[0] if error is not None else "too few replica groups"
+            why = "too few replica groups live (fault_tolerance.min_replica_size)"
+            if error is not None:  # gloo's: "[.../pair.cc:537] Read error [host]:port: Connection reset by peer. ..."
+                why = str(error.original_exception).splitlines()[0].rpartition("] ")[2].split(". ")[0]
             logger.warning(
                 f"fault tolerance: step {self.get_step()} not committed ({why}); the next quorum goes on without "
                 "the lost replica group"
