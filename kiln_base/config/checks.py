@@ -190,9 +190,9 @@ def _check_fault_tolerance(cfg: JobConfig, check_environment: bool) -> None:
         "would never have enough replica groups to commit",
     )
     _check(
-        ft.semi_sync_method is None,
-        f'fault_tolerance.semi_sync_method = "{ft.semi_sync_method}": semi-synchronous training (LocalSGD, DiLoCo) is '
-        "not supported yet (issue 41); leave it unset for synchronous fault tolerance",
+        ft.semi_sync_method != "diloco",
+        'fault_tolerance.semi_sync_method = "diloco": DiLoCo (its outer optimizer and model fragments) is not '
+        'supported yet (issue 41); "local_sgd" or unset (synchronous) are',
     )
     _check(
         p.data_parallel_replicate_degree == 1,

@@ -545,10 +545,13 @@ class FaultTolerance:
     )
     min_replica_size: int = _f(1, "Live replica groups a step needs to commit.", valid=AT_LEAST_1)
     semi_sync_method: str | None = _f(
-        None, "Semi-synchronous training: local_sgd or diloco (not supported yet: issue 41).", ("local_sgd", "diloco")
+        None,
+        "Semi-synchronous training: local_sgd (groups train alone, their weights averaged every sync_steps) or diloco "
+        "(not supported yet: issue 41); unset: synchronous.",
+        ("local_sgd", "diloco"),
     )
-    sync_steps: int = _f(5, "Semi-sync: steps between synchronisations.", valid=AT_LEAST_1)
-    should_quantize: bool = _f(False, "Semi-sync: quantize the pseudo-gradients before the all-reduce.")
+    sync_steps: int = _f(5, "local_sgd: optimizer steps between syncs of the weights.", valid=AT_LEAST_1)
+    should_quantize: bool = _f(False, "DiLoCo: quantize the pseudo-gradients before the all-reduce.")
     fragment_sync_delay: int = _f(
         0, "DiLoCo: inner steps to wait before blocking on a fragment's sync.", valid=AT_LEAST_0
     )

@@ -208,7 +208,7 @@ def _compile_components(value: list[str]) -> bool:
 # ----------------------------------------------------------------------------- the table
 
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
-SEMI_SYNC_ONLY = "read only by semi-synchronous training (LocalSGD, DiLoCo), which kiln refuses for now (issue 41)"
+DILOCO_ONLY = "read only by DiLoCo, which kiln refuses for now (issue 41)"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
 MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
 WORKERS_ONLY = "only read with dataloader worker processes (num_workers > 0), which kiln refuses"
@@ -653,11 +653,12 @@ ROWS_LIST: tuple[Key, ...] = (
     honour(
         "fault_tolerance.semi_sync_method",
         ALL,
-        "unset: synchronous; `local_sgd` and `diloco` refused for now (issue 41)",
+        "unset: synchronous; `local_sgd`: LocalSGD; `diloco` refused for now (issue 41)",
     ),
+    honour("fault_tolerance.sync_steps", V010, "LocalSGD's steps between syncs"),
     *(
-        honour(f"fault_tolerance.{key}", V010, SEMI_SYNC_ONLY)
-        for key in ("sync_steps", "should_quantize", "fragment_sync_delay", "fragment_update_alpha")
+        honour(f"fault_tolerance.{key}", V010, DILOCO_ONLY)
+        for key in ("should_quantize", "fragment_sync_delay", "fragment_update_alpha")
     ),
     # experimental
     ignore_if("experimental.custom_import", ALL, str, ("",), OFF, NO_USER_MODULES),

@@ -52,7 +52,10 @@ def test_a_torchtitan_fault_tolerance_section_runs_as_it_is(tmp_path: Path, monk
             "fault_tolerance.replica_id must be in [0, group_size) = [0, 3), got 3",
         ),
         (["--fault_tolerance.min_replica_size", "4"], "fault_tolerance.min_replica_size (4) must be <= group_size (3)"),
-        (["--fault_tolerance.semi_sync_method", "local_sgd"], '"local_sgd": semi-synchronous training'),
+        (
+            ["--fault_tolerance.semi_sync_method", "diloco"],
+            '"diloco": DiLoCo (its outer optimizer and model fragments)',
+        ),
         (["--fault_tolerance.process_group", "mpi"], "fault_tolerance.process_group"),
         (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree = 2: not supported"),
     ],

@@ -9,12 +9,16 @@ torchft's Manager (its own gloo or nccl process group, reconfigured at each new 
 whether the step may be applied: when a group died during the step the all-reduce fails, no group applies it, and
 the next quorum goes on without the dead group (a smaller global batch).
 
+With semi_sync_method local_sgd the groups step alone and torchft's LocalSGD, hooked on the optimizer, meets them every
+sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups.
+
 torchft is imported only here and only with fault_tolerance.enable (pip install -e '.[ft]').
 docs/fault_tolerance.md says how to launch a job and what happens to a group's samples while it is down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -110,6 +114,19 @@ class ReplicaGroup:
         )
         self.participants = 0
         self.committed = True
+        # semi_sync_method local_sgd: torchft's LocalSGD hooks on the optimizer, as long as this group lives: every
+        # sync_steps optimizer steps a quorum (a restarted group heals there) and the weights averaged over the live
+        # groups.
+        self.semi_sync = contextlib.ExitStack()
+        if ft.semi_sync_method == "local_sgd":
+            from torchft.local_sgd import LocalSGD
+
+            # Before LocalSGD's hook: the quorum compares training steps (torchft's Manager would count syncs), so a
+            # group behind the others heals at the sync, whatever syncs it made alone.
+            self.semi_sync.callback(
+                optimizer.register_step_post_hook(lambda *_: self.resume_at(self.get_step())).remove
+            )
+            self.semi_sync.enter_context(LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps))
         self.error: str | None = None
 
     # ------------------------------------------------------------------ what a healing group receives
@@ -156,12 +173,27 @@ class ReplicaGroup:
 
     # ------------------------------------------------------------------ the step
 
+    @property
+    def synchronous(self) -> bool:
+        return self.ft.semi_sync_method is None
+
     def resume_at(self, step: int) -> None:
-        """After a resume from this group's own checkpoint: the quorum compares steps from here."""
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        """The training step the next quorum compares (after a resume from this group's own checkpoint; under
+        LocalSGD before each sync)."""
+        self.manager.load_state_dict({**self.manager.state_dict(), "step": step})
 
     def start_step(self, group_batch: int) -> None:
-        """The quorum of this step (a group behind the others heals here); logs when the live groups change."""
+        """The quorum of this step (a group behind the others heals here); logs when the live groups change. Under
+        LocalSGD the quorum is the sync's (semi_sync): this only logs what the last sync found."""
+        if not self.synchronous:
+            n = self.manager.num_participants()  # 0 before the first sync
+            if n and n != self.participants:
+                logger.info(
+                    f"fault tolerance: the sync before step {self.get_step() + 1}: {n} of {self.ft.group_size} "
+                    "replica groups live"
+                )
+                self.participants = n
+            return
         before = self.get_step()
         self.manager.start_quorum()
         n = self.manager.num_participants()
@@ -176,7 +208,10 @@ class ReplicaGroup:
 
     def average(self, params: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and `loss` with the same rank of every live group (one all-reduce);
-        returns the averaged loss. A failure (a group died) is recorded by the Manager and denies the commit."""
+        returns the averaged loss. A failure (a group died) is recorded by the Manager and denies the commit. Under
+        LocalSGD each group steps on its own gradients (the weights meet at the syncs): nothing to do."""
+        if not self.synchronous:
+            return loss
         grads = [p.grad for p in params if p.grad is not None]
         shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([s.reshape(-1).float() for s in shards] + [loss.detach().reshape(1).float()])
@@ -188,7 +223,10 @@ class ReplicaGroup:
         return flat[-1].to(loss.dtype)
 
     def should_commit(self) -> bool:
-        """Whether every live group completed this step (the optimizer may step); logs a step that is dropped."""
+        """Whether every live group completed this step (the optimizer may step); logs a step that is dropped. Under
+        LocalSGD a group's own step always is (a sync that fails is not applied: torchft's LocalSGD)."""
+        if not self.synchronous:
+            return True
         self.committed = self.manager.should_commit()
         if not self.committed:
             error = self.manager.errored()
@@ -202,4 +240,5 @@ class ReplicaGroup:
         return self.committed
 
     def close(self) -> None:
+        self.semi_sync.close()
         self.manager.shutdown(wait=False)
