@@ -111,7 +111,7 @@ def format_breakdown(parts: dict[str, float], steps: int) -> str:
     return f"kernels: {', '.join(cells)} of {total / 1e3:.2f} ms over {steps} steps"
 
 
-def top_kernels(kernels: list[tuple[str, float, float]], n: int = 12) -> list[str]:
+def top_kernels(kernels: list[tuple[str, float, float]], n: int = 25) -> list[str]:
     """The `n` kernels with the most total time: name, category, ms, calls."""
     per: dict[str, list[float]] = {}
     for name, start, end in kernels:
@@ -237,6 +237,24 @@ class KernelProfile(StepHook):
         self.prof = None
 
 
+def set_inductor_option(spec: str) -> None:
+    """`key=value` into torch._inductor.config (dotted keys, e.g. triton.tile_reductions=false): a benchmark knob
+    to measure an inductor setting against kiln's choice, not a training option."""
+    import torch._inductor.config as inductor_config
+
+    key, _, text = spec.partition("=")
+    *path, name = key.split(".")
+    owner: Any = inductor_config
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, name)  # an unknown key fails here, naming it
+    value: Any = {"true": True, "false": False}.get(text.lower(), text)
+    if isinstance(old, int) and not isinstance(old, bool) and isinstance(value, str):
+        value = int(value)
+    setattr(owner, name, value)
+    print(f"inductor: {key} = {value!r} (was {old!r})", flush=True)
+
+
 def main(argv: list[str]) -> int:
     from kiln_base.config import parse_args
     from kiln_base.errors import UserError
@@ -252,11 +270,18 @@ def main(argv: list[str]) -> int:
             bench[key] = int(argv[i + 1])
             argv = argv[:i] + argv[i + 2 :]
     warmup, profile_steps = bench["--bench.warmup"], bench["--bench.profile_steps"]
+    inductor: list[str] = []  # --bench.inductor triton.tile_reductions=false (repeatable)
+    while "--bench.inductor" in argv:
+        i = argv.index("--bench.inductor")
+        inductor.append(argv[i + 1])
+        argv = argv[:i] + argv[i + 2 :]
     try:
         trainer = Trainer(parse_args(argv))
     except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
+    for spec in inductor:  # after the build, so it overrides what kiln set; compilation happens in the first step
+        set_inductor_option(spec)
     cuda = trainer.device.type == "cuda"
     total = trainer.cfg.training.steps
     timer = BlockTimer(trainer.model, warmup, cuda, last=total - profile_steps)
