@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from kiln_base.internals import set_inductor_option  # noqa: E402
 from trainer.hooks import StepHook, StepOutput  # noqa: E402
 
 # (category, words in the lower-cased kernel name); the first match wins.
@@ -237,24 +238,6 @@ class KernelProfile(StepHook):
         self.prof = None
 
 
-def set_inductor_option(spec: str) -> None:
-    """`key=value` into torch._inductor.config (dotted keys, e.g. triton.tile_reductions=false): a benchmark knob
-    to measure an inductor setting against kiln's choice, not a training option."""
-    import torch._inductor.config as inductor_config
-
-    key, _, text = spec.partition("=")
-    *path, name = key.split(".")
-    owner: Any = inductor_config
-    for part in path:
-        owner = getattr(owner, part)
-    old = getattr(owner, name)  # an unknown key fails here, naming it
-    value: Any = {"true": True, "false": False}.get(text.lower(), text)
-    if isinstance(old, int) and not isinstance(old, bool) and isinstance(value, str):
-        value = int(value)
-    setattr(owner, name, value)
-    print(f"inductor: {key} = {value!r} (was {old!r})", flush=True)
-
-
 def main(argv: list[str]) -> int:
     from kiln_base.config import parse_args
     from kiln_base.errors import UserError
@@ -281,7 +264,7 @@ def main(argv: list[str]) -> int:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     for spec in inductor:  # after the build, so it overrides what kiln set; compilation happens in the first step
-        set_inductor_option(spec)
+        print(f"inductor: {set_inductor_option(spec)}", flush=True)
     cuda = trainer.device.type == "cuda"
     total = trainer.cfg.training.steps
     timer = BlockTimer(trainer.model, warmup, cuda, last=total - profile_steps)

@@ -393,6 +393,25 @@ def enable_tiled_reductions() -> None:
     inductor_config.triton.prefer_nd_tiling = True
 
 
+def set_inductor_option(spec: str) -> str:
+    """`key=value` into torch._inductor.config (dotted keys, e.g. `triton.tile_reductions=false`; booleans and
+    integers converted), for benchmarks/row.py's `--bench.inductor` knob; returns what changed. An unknown key
+    raises AttributeError naming it. Checked on torch 2.11.0, 2.13.0."""
+    import torch._inductor.config as inductor_config
+
+    key, _, text = spec.partition("=")
+    *path, name = key.split(".")
+    owner: Any = inductor_config
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, name)
+    value: Any = {"true": True, "false": False}.get(text.lower(), text)
+    if isinstance(old, int) and not isinstance(old, bool) and isinstance(value, str):
+        value = int(value)
+    setattr(owner, name, value)
+    return f"{key} = {value!r} (was {old!r})"
+
+
 def tiled_reductions_enabled() -> bool:
     """Checked on torch 2.11.0, 2.13.0."""
     import torch._inductor.config as inductor_config

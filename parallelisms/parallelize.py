@@ -33,7 +33,7 @@ from kiln_base.internals import (
     fsdp_reduce_tp_partial_grads_in_reduce_dtype,
 )
 from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.context_parallel import ContextParallel, build_context_parallel
+from parallelisms.context_parallel import ContextParallel
 from parallelisms.grad_reduce import REDUCE_DTYPE, Bf16WireReduceScatter
 from parallelisms.parallel_dims import ParallelDims
 
@@ -46,7 +46,7 @@ logger = logging.getLogger("kiln")
 
 def float8_tensorwise_tp(float8: Float8) -> bool:
     """Tensorwise float8 can all-gather activations in float8; rowwise recipes use the high-precision styles."""
-    return float8.enable_float8_linear and float8.recipe_name in (None, "tensorwise")
+    return float8.enable_float8_linear and float8.recipe == "tensorwise"
 
 
 def apply_tp(
@@ -209,13 +209,15 @@ def parallelize_llama(
     parallelism: Parallelism,
     ac: ActivationCheckpoint,
     float8: Float8,
+    cp: ContextParallel | None = None,
 ) -> dict[str, ParallelStyle]:
-    """Apply CP, TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled).
+    """Apply CP, TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled). `cp`:
+    this rank's ContextParallel (parallelisms/context_parallel.py build_context_parallel), whose attention every
+    block gets; None without context parallelism.
 
     Returns the TP plan applied (module FQN -> style; empty without TP), for the dry run to print.
     """
     tp_plan: dict[str, ParallelStyle] = {}
-    cp = build_context_parallel(parallel_dims, parallelism)
     if cp is not None:
         apply_cp(model, cp)
     if parallel_dims.tp_enabled:

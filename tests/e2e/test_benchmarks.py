@@ -188,13 +188,15 @@ def test_inductor_knob_sets_and_restores_nothing_else() -> None:
     """--bench.inductor key=value: dotted keys, booleans and ints converted; an unknown key fails naming it."""
     import torch._inductor.config as inductor_config
 
+    from kiln_base.internals import set_inductor_option
+
     with inductor_config.patch({"triton.tile_reductions": True, "max_autotune_gemm_search_space": "DEFAULT"}):
-        bench_row.set_inductor_option("triton.tile_reductions=false")
+        set_inductor_option("triton.tile_reductions=false")
         assert inductor_config.triton.tile_reductions is False
-        bench_row.set_inductor_option("max_autotune_gemm_search_space=EXHAUSTIVE")
+        set_inductor_option("max_autotune_gemm_search_space=EXHAUSTIVE")
         assert inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
     with pytest.raises(AttributeError, match="no_such_option"):
-        bench_row.set_inductor_option("triton.no_such_option=1")
+        set_inductor_option("triton.no_such_option=1")
 
 
 def test_projection_adds_the_measured_parts_of_a_32_layer_step() -> None:
