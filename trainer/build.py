@@ -72,6 +72,7 @@ from trainer.components.checkpoint import CheckpointManager
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
 from trainer.components.dist import PeerWatch, init_distributed
+from trainer.components.fault_tolerance import checkpoint_subfolder, data_parallel_share
 from trainer.components.initial_load import InitialSource, check_not_inside
 from trainer.components.loss import LossFn
 from trainer.components.resume import file_sha256, training_settings
@@ -175,11 +176,13 @@ def data(
 ) -> DataLoader | TokenFileLoader:
     """This data-parallel rank's slice of every global batch (the ranks of one TP or CP group, and of one pipeline,
     read the same batches: the `dp` mesh leaves tp, cp and pp out; a CP rank keeps its part of each sequence:
-    Trainer.local_batch). Token files (docs/data.md) or text tokenized on the fly."""
-    dp_rank, pin = dims.dp_mesh.get_local_rank(), device.type == "cuda"
+    Trainer.local_batch). Token files (docs/data.md) or text tokenized on the fly; under fault tolerance each replica
+    group reads its share of the global batch."""
+    dp_rank, dp_degree = data_parallel_share(cfg.fault_tolerance, dims.dp_mesh.get_local_rank(), dims.dp_degree)
+    pin = device.type == "cuda"
     if uses_token_files(cfg.training):
-        return build_token_loader(cfg.training, tokenizer.n_words, dp_rank, dims.dp_degree, global_batch, pin)
-    return build_dataloader(cfg.training, tokenizer, dp_rank, dims.dp_degree, pin_memory=pin)
+        return build_token_loader(cfg.training, tokenizer.n_words, dp_rank, dp_degree, global_batch, pin)
+    return build_dataloader(cfg.training, tokenizer, dp_rank, dp_degree, pin_memory=pin)
 
 
 def validator(
@@ -331,7 +334,8 @@ def checkpointer(
 
 
 def checkpoint_folder(cfg: JobConfig) -> str:
-    return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    folder, group = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), checkpoint_subfolder(cfg.fault_tolerance)
+    return os.path.join(folder, group) if group else folder
 
 
 def check_output_folders(cfg: JobConfig, device_type: str) -> None:

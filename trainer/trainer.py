@@ -37,6 +37,7 @@ from trainer import build
 from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
 from trainer.components.dist import PeerWatch, set_determinism
+from trainer.components.fault_tolerance import ReplicaGroup, data_parallel_share
 from trainer.components.initial_load import InitialSource, load_initial, open_source
 from trainer.components.loss import build_loss_fn, row_log_likelihood
 from trainer.components.metrics import MetricsLogger
@@ -140,6 +141,7 @@ class Trainer:
         self.cfg = cfg
         self.checkpoint_claim: FolderClaim | None = None
         self.peers: PeerWatch | None = None
+        self.ft: ReplicaGroup | None = None
         try:
             self._build(cfg)
         except BaseException:
@@ -166,7 +168,7 @@ class Trainer:
         self.parallel_dims = build.parallel_dims(self.plan, self.device.type)
         local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         build.check_fits(cfg, self.plan, local_ranks, self.device)
-        dp_degree = self.plan.degrees.dp_degree
+        dp_degree = data_parallel_share(cfg.fault_tolerance, 0, self.plan.degrees.dp_degree)[1]  # all groups'
         self.grad_accum_steps = self.plan.grad_accum_steps
         set_determinism(t.seed, t.deterministic)
         global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
@@ -201,6 +203,18 @@ class Trainer:
         }
         self.checkpointer = build.checkpointer(cfg, self.checkpoint_claim, source, states, built.held_elsewhere)
         self.step = self._resume_or_start(source, built.held_elsewhere, t.steps)
+        if cfg.fault_tolerance.enable:
+            self.ft = ReplicaGroup(
+                cfg.fault_tolerance,
+                self.model,
+                self.optimizer,
+                self.lr_scheduler,
+                get_step=lambda: self.step,
+                set_step=lambda step: setattr(self, "step", step),
+                quorum_timeout_seconds=cfg.comm.init_timeout_seconds,
+                init_sync=t.seed is None,  # unseeded groups drew different weights: the first quorum syncs them
+            )
+            self.ft.resume_at(self.step)
         self.skip: NonFiniteSkip | None = None  # training.skip_nonfinite_steps: the guard that skips bad steps
         if t.skip_nonfinite_steps:
             self.skip = NonFiniteSkip(self.device, self.optimizer, self.lr_scheduler, t.steps, t.skip_nonfinite_steps)
@@ -353,6 +367,9 @@ class Trainer:
                     loss_sum += self.pipeline.step(batch.inputs, batch.labels, self.grad_accum_steps, batch.positions)
             else:
                 loss_sum += self.forward_backward(inputs, labels)
+        loss = loss_sum / self.grad_accum_steps
+        if self.ft is not None:  # across replica groups: gradient shards and loss averaged over the live groups
+            loss = self.ft.average(self.model.parameters(), loss)
         # Once per step, not per micro-batch (the ETA counts steps). A pipeline's ranks share its tokens: each counts
         # its share, so tps and mfu stay per device (torchtitan divides by the pipeline degree too).
         self.metrics.count_step(tokens // self.parallel_dims.pp, data_time)
@@ -367,6 +384,8 @@ class Trainer:
         else:
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, None, foreach)
         self.last_lr: float | torch.Tensor = float(self.lr_scheduler.get_last_lr()[0])  # this step's, for the log
+        if self.ft is not None and not self.ft.should_commit():  # a replica group died during the step
+            return loss, grad_norm
         around: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.skip is not None:  # skipped on every rank if any rank's loss or norm is non-finite (no host sync)
             end = self.dataloader.state_dict()
@@ -379,7 +398,7 @@ class Trainer:
         if self.skip is not None:
             self.last_lr = self.skip.applied_lr  # the lr the step applied (the schedule skips too), on the device
         self.lr_scheduler.step()
-        return loss_sum / self.grad_accum_steps, grad_norm
+        return loss, grad_norm
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         """Mean over data- and context-parallel ranks; called on log steps only (.item() syncs with the host)."""
@@ -423,6 +442,10 @@ class Trainer:
         hooks = [*self.build_hooks(), *extra_hooks]
         try:
             while self.step < t.steps:
+                if self.ft is not None:  # the step's quorum; a restarted group heals here (self.step jumps)
+                    self.ft.start_step(t.local_batch_size * self.grad_accum_steps * self.parallel_dims.dp_degree)
+                    if self.step >= t.steps:
+                        break
                 self.step += 1
                 for hook in hooks:
                     hook.pre_step(self.step)
@@ -430,6 +453,9 @@ class Trainer:
                     for hook in hooks:
                         around.enter_context(hook.step_context(self.step))
                     loss, grad_norm = self.train_step()
+                if self.ft is not None and not self.ft.committed:  # not applied: the step is run again
+                    self.step -= 1
+                    continue
                 out = StepOutput(self.step, self.step == t.steps, loss, grad_norm, self.last_lr)
                 for hook in hooks:
                     hook.post_step(out)
@@ -439,6 +465,8 @@ class Trainer:
         logger.info("Training completed")
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.close()
         if self.peers is not None:
             self.peers.close()
         self.dataloader.close()

@@ -71,6 +71,8 @@ def check_config_alone(cfg: JobConfig) -> None:
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got '{opt}'",
     )
     _check_float8_flags(cfg.float8)
+    if cfg.fault_tolerance.enable:
+        _check_fault_tolerance(cfg, check_environment=not cfg.job.dry_run and not cfg.job.print_config)
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline_flags(cfg)
     _check(
@@ -201,6 +203,59 @@ def _check_float8_flags(cfg: Float8) -> None:
             "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather "
             "(it precomputes the scales of float8-all-gathered weights)"
         )
+
+
+FT_LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's: the lighthouse's address, http://host:port
+
+
+def _check_fault_tolerance(cfg: JobConfig, check_environment: bool) -> None:
+    """fault_tolerance.enable: torchft installed, the replica group inside the job, the lighthouse named, and the
+    settings kiln's synchronous mode runs (docs/fault_tolerance.md)."""
+    ft, p = cfg.fault_tolerance, cfg.parallelism
+    _check(
+        ft.group_size >= 1,
+        "fault_tolerance.group_size must be the number of replica groups (>= 1) with fault_tolerance.enable, got 0",
+    )
+    _check(
+        ft.replica_id < ft.group_size,
+        f"fault_tolerance.replica_id must be in [0, group_size) = [0, {ft.group_size}), got {ft.replica_id}",
+    )
+    _check(
+        ft.min_replica_size <= ft.group_size,
+        f"fault_tolerance.min_replica_size ({ft.min_replica_size}) must be <= group_size ({ft.group_size}): a step "
+        "would never have enough replica groups to commit",
+    )
+    _check(
+        ft.semi_sync_method != "diloco",
+        'fault_tolerance.semi_sync_method = "diloco": DiLoCo (its outer optimizer and model fragments) is not '
+        'supported yet (issue 41); "local_sgd" or unset (synchronous) are',
+    )
+    _check(
+        p.data_parallel_replicate_degree == 1,
+        f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} with fault_tolerance.enable: "
+        "the replica groups are the replicate dimension (fault_tolerance.group_size); set it to 1",
+    )
+    for key, degree in (
+        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+        ("context_parallel_degree", p.context_parallel_degree),
+    ):
+        _check(
+            degree == 1,
+            f"parallelism.{key} = {degree}: not supported with fault_tolerance.enable yet (issue 41); inside a replica "
+            "group kiln runs FSDP, TP, float8, activation checkpointing and compile",
+        )
+    if not check_environment:
+        return
+    _check(
+        importlib.util.find_spec("torchft") is not None,
+        "fault_tolerance.enable needs the torchft package, which is not installed (pip install 'torchft==0.2.0', or "
+        "kiln's extra: pip install -e '.[ft]'); or drop fault_tolerance.enable",
+    )
+    _check(
+        bool(os.environ.get(FT_LIGHTHOUSE_ENV)),
+        f"fault_tolerance.enable: {FT_LIGHTHOUSE_ENV} is not set; export {FT_LIGHTHOUSE_ENV}=http://HOST:PORT, the "
+        "address of a running torchft_lighthouse (docs/fault_tolerance.md)",
+    )
 
 
 def _check_pipeline_flags(cfg: JobConfig) -> None:

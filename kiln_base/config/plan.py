@@ -151,7 +151,8 @@ def check_world(cfg: JobConfig, world_size: int) -> tuple[Degrees, int]:
     sequence parallel splits every sequence; the degrees and the gradient accumulation steps. run_train.sh runs it
     before torchrun starts a rank, each rank in plan_run."""
     degrees = Degrees.of(cfg.parallelism, world_size)
-    accum = grad_accum_steps(cfg.training, degrees.dp_degree)
+    groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1  # FT: the replicate dimension
+    accum = grad_accum_steps(cfg.training, degrees.dp_degree * groups)
     check_bf16_wire(cfg.training, degrees.dp_replicate, degrees.dp_shard * degrees.cp)
     check_sequence_split(cfg.training.seq_len, cfg.parallelism)
     if cfg.validation.enable:  # validation batches are split the same way

@@ -605,6 +605,44 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    """torchtitan's [fault_tolerance] (TorchFT): the job is `group_size` replica groups, each its own run_train.sh
+    job, meeting each step in a quorum through torchft's lighthouse (TORCHFT_LIGHTHOUSE); docs/fault_tolerance.md."""
+
+    enable: bool = _f(
+        False,
+        "Train as one replica group of a TorchFT job: gradients averaged across the live groups each step, a group "
+        "that dies is left out, a restarted one heals from a live peer (needs torchft: pip install -e '.[ft]').",
+    )
+    process_group: str = _f("gloo", "The process group across replica groups.", ("gloo", "nccl"))
+    process_group_timeout_ms: int = _f(
+        10000,
+        "A collective across replica groups that takes longer fails (its step is not committed); also the bound on "
+        "reaching the lighthouse.",
+        valid=Range(lo=1, hi=10**12),
+    )
+    replica_id: int = _f(0, "This replica group's index, in [0, group_size).", valid=AT_LEAST_0)
+    group_size: int = _f(
+        0, "The number of replica groups (each splits off its part of the global batch).", valid=AT_LEAST_0
+    )
+    min_replica_size: int = _f(1, "Live replica groups a step needs to commit.", valid=AT_LEAST_1)
+    semi_sync_method: str | None = _f(
+        None,
+        "Semi-synchronous training: local_sgd (groups train alone, their weights averaged every sync_steps) or diloco "
+        "(not supported yet: issue 41); unset: synchronous.",
+        ("local_sgd", "diloco"),
+    )
+    sync_steps: int = _f(5, "local_sgd: optimizer steps between syncs of the weights.", valid=AT_LEAST_1)
+    should_quantize: bool = _f(False, "DiLoCo: quantize the pseudo-gradients before the all-reduce.")
+    fragment_sync_delay: int = _f(
+        0, "DiLoCo: inner steps to wait before blocking on a fragment's sync.", valid=AT_LEAST_0
+    )
+    fragment_update_alpha: float = _f(0.0, "DiLoCo: mix of local and global parameters.", valid=FRACTION)
+    num_fragments: int = _f(1, "DiLoCo: model fragments synchronised in turn.", valid=AT_LEAST_1)
+    module_fqns_per_model_fragment: list[list[str]] = _f([], "DiLoCo: the modules of each fragment.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -620,6 +658,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)

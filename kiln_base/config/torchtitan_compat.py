@@ -208,7 +208,7 @@ def _compile_components(value: list[str]) -> bool:
 # ----------------------------------------------------------------------------- the table
 
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
-FT_ONLY = "only read when fault_tolerance.enable is true, which kiln refuses"
+DILOCO_ONLY = "read only by DiLoCo, which kiln refuses for now (issue 41)"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
 MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
 WORKERS_ONLY = "only read with dataloader worker processes (num_workers > 0), which kiln refuses"
@@ -496,7 +496,14 @@ ROWS_LIST: tuple[Key, ...] = (
         "load everything",
         "partial loads are not supported; kiln loads a full checkpoint or a weights-only one",
     ),
-    ignore_any("checkpoint.enable_ft_dataloader_checkpoints", V02, FT_ONLY),
+    ignore_if(
+        "checkpoint.enable_ft_dataloader_checkpoints",
+        V02,
+        bool,
+        (True,),
+        "under fault_tolerance.enable each replica group saves its data-loader position in its own checkpoints",
+        "kiln always checkpoints each replica group's data-loader position (no group re-reads or skips samples)",
+    ),
     ignore_if(
         "checkpoint.enable_first_step_checkpoint",
         V02,
@@ -631,29 +638,27 @@ ROWS_LIST: tuple[Key, ...] = (
     ignore_if("memory_estimation.enabled", V010, bool, (False,), OFF, DRY_RUN_OFFER),
     ignore_if("memory_estimation.enable", V02, bool, (False,), OFF, DRY_RUN_OFFER),
     ignore_any("memory_estimation.disable_fake_mode", ALL, "only read with memory estimation on, which kiln refuses"),
-    # fault_tolerance
-    ignore_if(
-        "fault_tolerance.enable",
-        ALL,
-        bool,
-        (False,),
-        OFF,
-        "TorchFT is not supported; with checkpoint.enable_checkpoint a restarted run resumes from its last save",
-    ),
+    # fault_tolerance: kiln's [fault_tolerance], the same keys and meanings (docs/fault_tolerance.md)
+    honour("fault_tolerance.enable", ALL, "synchronous mode; docs/fault_tolerance.md"),
     *(
-        ignore_any(f"fault_tolerance.{key}", releases, FT_ONLY)
+        honour(f"fault_tolerance.{key}", releases)
         for key, releases in (
             ("replica_id", ALL),
             ("group_size", ALL),
             ("min_replica_size", ALL),
-            ("semi_sync_method", ALL),
-            ("sync_steps", V010),
-            ("should_quantize", V010),
-            ("fragment_sync_delay", V010),
-            ("fragment_update_alpha", V010),
             ("process_group", V02),
             ("process_group_timeout_ms", V02),
         )
+    ),
+    honour(
+        "fault_tolerance.semi_sync_method",
+        ALL,
+        "unset: synchronous; `local_sgd`: LocalSGD; `diloco` refused for now (issue 41)",
+    ),
+    honour("fault_tolerance.sync_steps", V010, "LocalSGD's steps between syncs"),
+    *(
+        honour(f"fault_tolerance.{key}", V010, DILOCO_ONLY)
+        for key in ("should_quantize", "fragment_sync_delay", "fragment_update_alpha")
     ),
     # experimental
     ignore_if("experimental.custom_import", ALL, str, ("",), OFF, NO_USER_MODULES),

@@ -1,0 +1,365 @@
+"""Fault tolerance on TorchFT ([fault_tolerance], docs/fault_tolerance.md) through run_train.sh, as users start it:
+two replica groups of 2 gloo ranks each, each its own run_train.sh, and a torchft lighthouse started in this process.
+
+- with no fault the two groups of FSDP 2 give the losses of HSDP 2 x 2 (fp32, deterministic, the same global batch);
+- a group killed with SIGKILL mid-run: the other trains on alone (its step lines stay 1..N, each once), the killed
+  group restarted heals from it (weights, optimizer, LR schedule, step) and both finish in step: the same averaged
+  losses and bitwise equal weights in their last checkpoints;
+- each mistake gives its one line (the lighthouse unreachable: within process_group_timeout_ms, not a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.common import tiny_run_args
+from tests.helpers.kiln_process import KilnResult, assert_one_line_error, run_kiln, start_kiln
+from tests.helpers.run_files import tensorboard_scalars
+
+pytest.importorskip("torchft", reason="fault tolerance needs the torchft extra (pip install -e '.[ft]')")
+
+TIMEOUT_S = 300
+STEPS = 90  # the kill test's (a multiple of its LocalSGD sync_steps, 3)
+TINY = tiny_run_args("--model.n_layers", "2", "--training.deterministic", "--metrics.log_freq", "1")
+
+
+def ft_args(replica_id: int, *extra: str) -> list[str]:
+    return [
+        *TINY,
+        "--fault_tolerance.enable",
+        "--fault_tolerance.group_size",
+        "2",
+        "--fault_tolerance.replica_id",
+        str(replica_id),
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int, join_timeout_ms: int = 1000) -> Iterator[str]:
+    """A torchft lighthouse in this process: a quorum needs `min_replicas` groups and waits up to `join_timeout_ms`
+    for the groups that are alive (heartbeating) to ask; a group silent for 1 s is lost."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=1000
+    )
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def start_group(replica_id: int, lighthouse: str, cwd: Path, *extra: str) -> subprocess.Popen[str]:
+    """One replica group: `NGPU=2 run_train.sh` in its own session (the test kills its whole tree)."""
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    return start_kiln(
+        ft_args(replica_id, *extra), ngpu=2, threads=1, env=env, cwd=cwd, merge_stderr=True, new_session=True
+    )
+
+
+class Output:
+    """A group's merged output, collected by a reader thread as it runs."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines = proc, []  # type: ignore[var-annotated]
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def poll(self) -> str:
+        return self.text
+
+    def wait_for(self, pattern: str, timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.poll()):
+            assert self.proc.poll() is None or re.search(pattern, self.poll()), self.text[-4000:]
+            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{self.text[-4000:]}"
+            time.sleep(0.2)
+
+    def finish(self, timeout: float = TIMEOUT_S) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                raise AssertionError(f"still running after {timeout} s:\n{self.text[-4000:]}")
+            time.sleep(0.2)
+        self.reader.join(timeout=30)
+        return self.proc.returncode
+
+
+def steps_logged(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r"\[rank0\]:.* step:\s+(\d+)\s+loss:", text)]
+
+
+def losses_logged(text: str) -> dict[int, str]:
+    return {int(s): v for s, v in re.findall(r"\[rank0\]:.* step:\s+(\d+)\s+loss:\s+(\S+)", text)}
+
+
+def trained_state(step_dir: Path) -> dict[str, object]:
+    """A kiln checkpoint's weights, optimizer state and LR schedule (DCP, read on one process): all but the
+    group's own data-loader position and train state."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = step_dir.parent / f"{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if k not in ("dataloader", "train_state")}
+
+
+def bitwise_equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, type(a)) and len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_groups_without_a_fault_give_hsdp_losses(tmp_path: Path) -> None:
+    """Two groups of FSDP 2 through the lighthouse == HSDP 2 x 2 in one job, within 1e-5 at every step (the
+    lighthouse waits for both groups: a group that came later would heal from the first at its first step)."""
+    steps, tb = ("--training.steps", "5"), ("--metrics.enable_tensorboard",)
+    hsdp = run_kiln(
+        [
+            *TINY,
+            *steps,
+            *tb,
+            "--job.dump_folder",
+            str(tmp_path / "hsdp"),
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+        ngpu=4,
+        threads=1,
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+    )
+    assert hsdp.returncode == 0, hsdp.output[-3000:]
+    with lighthouse(min_replicas=2) as address:
+        groups = [
+            start_group(g, address, tmp_path, *steps, *tb, "--job.dump_folder", str(tmp_path / f"ft{g}"))
+            for g in (0, 1)
+        ]
+        outputs = [Output(p) for p in groups]
+        assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
+    want = tensorboard_scalars(tmp_path / "hsdp" / "tb" / "rank_0")
+    for g in (0, 1):
+        got = tensorboard_scalars(tmp_path / f"ft{g}" / "tb" / "rank_0")
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5]
+        for step in want:
+            assert abs(got[step]["kiln/loss"] - want[step]["kiln/loss"]) < 1e-5
+        assert "2 of 2 replica groups live; global batch 8 sequences" in outputs[g].text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["synchronous", "local_sgd"])
+def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_path: Path) -> None:
+    """Kill group 1 (SIGKILL of its run_train.sh tree) two steps after both groups train together: group 0 trains on
+    alone; group 1 restarted heals from group 0 (synchronous: at its first step; LocalSGD: at its first sync) and both
+    finish in step, with bitwise equal weights in their last checkpoints (a sync step under LocalSGD). (Enough steps
+    that the survivor is still training when the restarted group has started.)"""
+    semi_sync = ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3")
+    run = (
+        *(semi_sync if mode == "local_sgd" else ()),
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "128",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "10",
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--fault_tolerance.process_group_timeout_ms",
+        "5000",
+    )
+    with contextlib.ExitStack() as stack:
+        # LocalSGD: a sync waits for the groups that are alive, so that the restarted group meets the survivor at
+        # its first sync (a quorum of one would let it train on alone until their syncs coincide)
+        join_ms = 30_000 if mode == "local_sgd" else 1000
+        address = stack.enter_context(lighthouse(min_replicas=1, join_timeout_ms=join_ms))
+        g0, g1 = (Output(start_group(g, address, tmp_path, *run)) for g in (0, 1))
+        stack.callback(lambda: [os.killpg(o.proc.pid, signal.SIGKILL) for o in (g0, g1) if o.proc.poll() is None])
+        g0.wait_for(r"step \d+: 2 of 2 replica groups live")
+        together = int(re.findall(r"step (\d+): 2 of 2 replica groups live", g0.text)[0])
+        g1.wait_for(rf"\[rank0\]:.* step:\s+{together + 2} ")
+        os.killpg(g1.proc.pid, signal.SIGKILL)
+        g1.finish()
+        restarted = Output(start_group(1, address, tmp_path, *run))  # at once: its start-up takes 10-20 s here
+        assert restarted.finish() == 0, restarted.text[-4000:]
+        assert g0.finish() == 0, g0.text[-4000:]
+    # The survivor: every step once, in order (from its first: a group that joins late heals at its first step);
+    # told when it went on alone and when the group came back.
+    logged = steps_logged(g0.text)
+    assert logged == list(range(logged[0], STEPS + 1)), g0.text[-4000:]
+    alone = "1 of 2 replica groups live" + ("; global batch 4 sequences" if mode == "synchronous" else "")
+    assert re.search(rf"step \d+: {alone}", g0.text)
+    after_kill = g0.text.split("2 of 2 replica groups live", 1)[1].split("1 of 2 replica groups live", 1)[1]
+    back = re.search(r"step (\d+): 2 of 2 replica groups live", after_kill)
+    assert back, f"the restarted group came after the survivor's last step:\n{g0.text[-4000:]}"
+    rejoined = int(back.group(1))
+    # The restarted group resumed from its last complete checkpoint, then healed from the live group.
+    assert "healed from a live replica group" in restarted.text, restarted.text[-4000:]
+    assert steps_logged(restarted.text)[-1] == STEPS
+    folder = tmp_path / "out" / "checkpoint"
+    s0, s1 = (trained_state(folder / f"ft_replica_{g}" / f"step-{STEPS}") for g in (0, 1))
+    if mode == "local_sgd":  # each group steps its own AdamW on its own batches; the weights meet at every sync
+        assert all(torch.equal(s0[k], s1[k]) for k in s0 if isinstance(s0[k], torch.Tensor))
+        assert not bitwise_equal(s0["optimizer"], s1["optimizer"])
+        return
+    assert f"replica group 1 rejoined at step {rejoined}" in restarted.text
+    # In step after healing: the same cross-group averaged loss at every step both ran, the same final weights.
+    after = {s: v for s, v in losses_logged(restarted.text).items() if s >= rejoined}
+    assert after and all(losses_logged(g0.text)[s] == v for s, v in after.items())
+    assert "tok_embeddings.weight" in s0 and "optimizer" in s0 and bitwise_equal(s0, s1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_semi_sync_groups_train_alone_and_meet_at_every_sync(tmp_path: Path) -> None:
+    """semi_sync_method local_sgd, sync_steps 3: each group steps on its own batches (their losses differ from the
+    first step), and their weights are bitwise equal after each sync (step 6) and only then (steps 2 and 4)."""
+    run = (
+        "--training.steps",
+        "6",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "2",
+        "--fault_tolerance.semi_sync_method",
+        "local_sgd",
+        "--fault_tolerance.sync_steps",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    )
+    with lighthouse(min_replicas=2) as address:
+        outputs = [Output(start_group(g, address, tmp_path, *run)) for g in (0, 1)]
+        assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
+    assert losses_logged(outputs[0].text)[1] != losses_logged(outputs[1].text)[1]
+    assert "the sync before step 4: 2 of 2 replica groups live" in outputs[0].text
+    folder = tmp_path / "out" / "checkpoint"
+    for step, equal in ((2, False), (4, False), (6, True)):
+        s0, s1 = (trained_state(folder / f"ft_replica_{g}" / f"step-{step}") for g in (0, 1))
+        weights = [k for k in s0 if isinstance(s0[k], torch.Tensor)]
+        assert weights and all(torch.equal(s0[k], s1[k]) for k in weights) == equal, step
+
+
+# ----------------------------------------------------------------------------- mistakes, one line each
+
+
+def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
+    return run_kiln(args, ngpu=ngpu, threads=1, env=env, cwd=cwd, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "needle"),
+    [
+        (
+            ("--fault_tolerance.replica_id", "2"),
+            {},
+            "fault_tolerance.replica_id must be in [0, group_size) = [0, 2), got 2",
+        ),
+        (("--fault_tolerance.group_size", "0"), {}, "fault_tolerance.group_size must be the number of replica groups"),
+        (
+            ("--fault_tolerance.semi_sync_method", "diloco"),
+            {},
+            'semi_sync_method = "diloco": DiLoCo (its outer optimizer and model fragments) is not supported yet',
+        ),
+        (
+            ("--parallelism.pipeline_parallel_degree", "2"),
+            {},
+            "parallelism.pipeline_parallel_degree = 2: not supported with fault_tolerance.enable yet",
+        ),
+        (
+            ("--parallelism.context_parallel_degree", "2"),
+            {},
+            "parallelism.context_parallel_degree = 2: not supported with fault_tolerance.enable yet",
+        ),
+        (("--parallelism.data_parallel_replicate_degree", "2"), {}, "the replica groups are the replicate dimension"),
+        ((), {"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
+    ],
+    ids=["replica_id", "group_size", "semi_sync", "pp", "cp", "dp_replicate", "no_lighthouse_env"],
+)
+def test_mistakes_are_one_line_before_any_rank(
+    extra: tuple[str, ...], env: dict[str, str], needle: str, tmp_path: Path
+) -> None:
+    env = {"TORCHFT_LIGHTHOUSE": "http://localhost:1", **env}
+    proc = run_group(*ft_args(0, "--job.dump_folder", str(tmp_path), *extra), cwd=tmp_path, ngpu=2, **env)
+    assert_one_line_error(proc, needle)
+    assert "[rank0]" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_without_torchft_is_one_line(tmp_path: Path) -> None:
+    """fault_tolerance.enable where torchft is not importable (a sitecustomize hides the installed one)."""
+    hide = tmp_path / "no_torchft"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['torchft'] = None  # as if not installed\n")
+    pythonpath = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH", "")) if p)
+    proc = run_group(
+        *ft_args(0, "--job.dump_folder", str(tmp_path / "out")),
+        cwd=tmp_path,
+        TORCHFT_LIGHTHOUSE="http://localhost:1",
+        PYTHONPATH=pythonpath,
+    )
+    assert_one_line_error(proc, "fault_tolerance.enable needs the torchft package, which is not installed", ".[ft]")
+
+
+@pytest.mark.distributed
+def test_an_unreachable_lighthouse_is_one_line_within_the_timeout(tmp_path: Path) -> None:
+    """Nothing listens at TORCHFT_LIGHTHOUSE: the group's ranks end with one line after process_group_timeout_ms
+    (1 s here), not at a collective's timeout."""
+    with socket_bound() as port:  # a port nobody answers on
+        t0 = time.monotonic()
+        proc = run_group(
+            *ft_args(0, "--job.dump_folder", str(tmp_path), "--fault_tolerance.process_group_timeout_ms", "1000"),
+            cwd=tmp_path,
+            ngpu=2,
+            TORCHFT_LIGHTHOUSE=f"http://localhost:{port}",
+        )
+        elapsed = time.monotonic() - t0
+    assert_one_line_error(
+        proc,
+        f"no torchft lighthouse answers at TORCHFT_LIGHTHOUSE=http://localhost:{port}",
+        "process_group_timeout_ms = 1000",
+    )
+    assert elapsed < 120, elapsed
+
+
+class socket_bound:
+    """A TCP port bound (so no one else takes it) but never listened on: connections to it are refused."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()

@@ -1,0 +1,244 @@
+"""Fault tolerance on TorchFT ([fault_tolerance], synchronous mode): this rank's side of a job of replica groups.
+
+Each replica group is its own run_train.sh job (FSDP, TP, float8, AC and compile inside it, as without FT). Every
+step the groups meet in a quorum through torchft's lighthouse (TORCHFT_LIGHTHOUSE): `start_step` asks for it, and a
+restarted group that is behind the others heals there, receiving the live weights, optimizer and LR-schedule state
+and the step count from a peer group over torchft's checkpoint transport (HTTP, not the disk). After backward,
+`average` averages this rank's gradient shards and the loss with the same rank of every other live group through
+torchft's Manager (its own gloo or nccl process group, reconfigured at each new quorum); `should_commit` then says
+whether the step may be applied: when a group died during the step the all-reduce fails, no group applies it, and
+the next quorum goes on without the dead group (a smaller global batch).
+
+With semi_sync_method local_sgd the groups step alone and torchft's LocalSGD, hooked on the optimizer, meets them every
+sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups.
+
+torchft is imported only here and only with fault_tolerance.enable (pip install -e '.[ft]').
+docs/fault_tolerance.md says how to launch a job and what happens to a group's samples while it is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from kiln_base.config import FaultTolerance
+from kiln_base.errors import ConfigError
+
+logger = logging.getLogger("kiln")
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def data_parallel_share(ft: FaultTolerance, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """This rank's place in the global sample order: under fault tolerance the replica groups split every global
+    batch as HSDP's replicas would (group g reads the part of data-parallel ranks g x dp .. g x dp + dp - 1)."""
+    if not ft.enable:
+        return dp_rank, dp_degree
+    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
+
+
+def checkpoint_subfolder(ft: FaultTolerance) -> str:
+    """Each replica group saves its own checkpoints (its data-loader position among them) in its own folder."""
+    return f"ft_replica_{ft.replica_id}" if ft.enable else ""
+
+
+def _local(value: Any) -> Any:
+    """A state dict with every DTensor replaced by this rank's shard (what crosses to the same rank of a peer)."""
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, torch.Tensor):  # a snapshot: the transport may send it while this group trains on
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    return value
+
+
+class ReplicaGroup:
+    """This rank's member of the TorchFT job: the Manager, the step's quorum, the gradient average and the commit."""
+
+    def __init__(
+        self,
+        ft: FaultTolerance,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        get_step: Callable[[], int],
+        set_step: Callable[[int], None],
+        quorum_timeout_seconds: int,
+        init_sync: bool,
+    ) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum and commit at info
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):  # kiln's own lines say what changed
+            logging.getLogger(name).setLevel(logging.ERROR)
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft._torchft import LighthouseClient
+
+        self.ft, self.model, self.optimizer, self.lr_scheduler = ft, model, optimizer, lr_scheduler
+        self.get_step, self.set_step = get_step, set_step
+        timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+        lighthouse = os.environ[LIGHTHOUSE_ENV]
+        group_rank = int(os.environ.get("RANK", "0"))
+        if group_rank == 0:  # the group's manager server talks to the lighthouse: it must answer now, not hang
+            try:
+                LighthouseClient(lighthouse, connect_timeout=timeout)
+            except RuntimeError:
+                raise ConfigError(
+                    f"fault_tolerance: no torchft lighthouse answers at {LIGHTHOUSE_ENV}={lighthouse} within "
+                    f"process_group_timeout_ms = {ft.process_group_timeout_ms}; start one first (torchft_lighthouse "
+                    "--min_replicas 1, docs/fault_tolerance.md) or fix the address"
+                ) from None
+        if ft.process_group == "nccl" and not torch.cuda.is_available():
+            raise ConfigError('fault_tolerance.process_group = "nccl" needs CUDA GPUs; on a CPU use "gloo"')
+        pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
+        self.manager = Manager(
+            pg=pg,
+            min_replica_size=ft.min_replica_size,
+            load_state_dict=self._load_state_dict,
+            state_dict=self._state_dict,
+            use_async_quorum=False,  # a healing group loads the peer's state before its forward: it trains in step
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
+            connect_timeout=timeout,
+            replica_id=f"kiln_ft_{ft.replica_id}",
+            init_sync=init_sync,
+        )
+        self.participants = 0
+        self.committed = True
+        # semi_sync_method local_sgd: torchft's LocalSGD hooks on the optimizer, as long as this group lives: every
+        # sync_steps optimizer steps a quorum (a restarted group heals there) and the weights averaged over the live
+        # groups.
+        self.semi_sync = contextlib.ExitStack()
+        if ft.semi_sync_method == "local_sgd":
+            from torchft.local_sgd import LocalSGD
+
+            # Before LocalSGD's hook: the quorum compares training steps (torchft's Manager would count syncs), so a
+            # group behind the others heals at the sync, whatever syncs it made alone.
+            self.semi_sync.callback(
+                optimizer.register_step_post_hook(lambda *_: self.resume_at(self.get_step())).remove
+            )
+            self.semi_sync.enter_context(LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps))
+        self.error: str | None = None
+
+    # ------------------------------------------------------------------ what a healing group receives
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "model": _local(self.model.state_dict()),
+            "optimizer": _local(self.optimizer.state_dict()),
+            "lr_scheduler": _local(self.lr_scheduler.state_dict()),
+            "step": self.get_step(),
+        }
+
+    @torch.no_grad()
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        """A live peer's state, copied into this rank's shards (the same layout: the same rank of a group of the
+        same shape), bitwise."""
+        ours = self.model.state_dict()
+        for key, value in state["model"].items():
+            target = ours[key]
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(value)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, saved in state["optimizer"]["state"].items():
+            p = params[index]
+            entry = {}
+            for key, value in saved.items():
+                if isinstance(p, DTensor) and torch.is_tensor(value) and value.dim() > 0:
+                    value = DTensor.from_local(
+                        value.to(p.device),
+                        p.device_mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )
+                entry[key] = value
+            self.optimizer.state[p] = entry
+        for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.set_step(int(state["step"]))
+        logger.info(
+            f"fault tolerance: healed from a live replica group: weights, optimizer and lr of step {state['step']}"
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def synchronous(self) -> bool:
+        return self.ft.semi_sync_method is None
+
+    def resume_at(self, step: int) -> None:
+        """The training step the next quorum compares (after a resume from this group's own checkpoint; under
+        LocalSGD before each sync)."""
+        self.manager.load_state_dict({**self.manager.state_dict(), "step": step})
+
+    def start_step(self, group_batch: int) -> None:
+        """The quorum of this step (a group behind the others heals here); logs when the live groups change. Under
+        LocalSGD the quorum is the sync's (semi_sync): this only logs what the last sync found."""
+        if not self.synchronous:
+            n = self.manager.num_participants()  # 0 before the first sync
+            if n and n != self.participants:
+                logger.info(
+                    f"fault tolerance: the sync before step {self.get_step() + 1}: {n} of {self.ft.group_size} "
+                    "replica groups live"
+                )
+                self.participants = n
+            return
+        before = self.get_step()
+        self.manager.start_quorum()
+        n = self.manager.num_participants()
+        if self.get_step() != before:
+            logger.info(f"fault tolerance: replica group {self.ft.replica_id} rejoined at step {self.get_step() + 1}")
+        if n != self.participants:
+            logger.info(
+                f"fault tolerance: step {self.get_step() + 1}: {n} of {self.ft.group_size} replica groups live; global "
+                f"batch {n * group_batch} sequences"
+            )
+            self.participants = n
+
+    def average(self, params: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        """Average this rank's gradient shards and `loss` with the same rank of every live group (one all-reduce);
+        returns the averaged loss. A failure (a group died) is recorded by the Manager and denies the commit. Under
+        LocalSGD each group steps on its own gradients (the weights meet at the syncs): nothing to do."""
+        if not self.synchronous:
+            return loss
+        grads = [p.grad for p in params if p.grad is not None]
+        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([s.reshape(-1).float() for s in shards] + [loss.detach().reshape(1).float()])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for s in shards:
+            s.copy_(flat[offset : offset + s.numel()].view_as(s))
+            offset += s.numel()
+        return flat[-1].to(loss.dtype)
+
+    def should_commit(self) -> bool:
+        """Whether every live group completed this step (the optimizer may step); logs a step that is dropped. Under
+        LocalSGD a group's own step always is (a sync that fails is not applied: torchft's LocalSGD)."""
+        if not self.synchronous:
+            return True
+        self.committed = self.manager.should_commit()
+        if not self.committed:
+            error = self.manager.errored()
+            why = "too few replica groups live (fault_tolerance.min_replica_size)"
+            if error is not None:  # gloo's: "[.../pair.cc:537] Read error [host]:port: Connection reset by peer. ..."
+                why = str(error.original_exception).splitlines()[0].rpartition("] ")[2].split(". ")[0]
+            logger.warning(
+                f"fault tolerance: step {self.get_step()} not committed ({why}); the next quorum goes on without "
+                "the lost replica group"
+            )
+        return self.committed
+
+    def close(self) -> None:
+        self.semi_sync.close()
+        self.manager.shutdown(wait=False)
