@@ -86,3 +86,17 @@ class LogLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def kiln_log_lines() -> Iterator[LogLines]:
+    """kiln's log records (INFO and up) collected while the block runs, as LogLines."""
+    lines, logger = LogLines(), logging.getLogger("kiln")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)

@@ -9,7 +9,6 @@ errors through run_train.sh: tests/e2e/test_eval_run_train.py.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from kiln_base.config import Eval
 from kiln_base.errors import ConfigError
-from tests.helpers.common import ROOT, LogLines, open_trainer, tiny_run_args
+from tests.helpers.common import ROOT, kiln_log_lines, open_trainer, tiny_run_args
 from tests.helpers.run_files import tensorboard_scalars
 from tests.helpers.scripts import load_script
 from trainer.components.downstream_eval import IGNORE, load_tasks, padded_length
@@ -37,20 +36,13 @@ def _run(dump: Path, *extra: str) -> dict[str, Any]:
         *("--training.seq_len", "64", "--metrics.enable_tensorboard"),
         *extra,
     )
-    lines, logger = LogLines(), logging.getLogger("kiln")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(lines)
-    try:
+    with kiln_log_lines() as lines:
         with open_trainer(argv) as trainer:
             trainer.train()
             out: dict[str, Any] = {"losses": list(trainer.losses), "lines": list(lines.lines)}
             if trainer.downstream is not None:
                 out["results"] = dict(trainer.downstream.results)
                 out["check"] = _check_scoring(trainer)
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
     out["tb"] = tensorboard_scalars(dump / "tb" / "rank_0")
     return out
 

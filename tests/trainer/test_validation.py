@@ -8,7 +8,6 @@ steps, and the every-2 run again interrupted at step 3 and resumed.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import train
 from kiln_base.config import Validation
 from kiln_base.errors import ConfigError
-from tests.helpers.common import TOKENIZER_PATH, LogLines, open_trainer, tiny_run_args
+from tests.helpers.common import TOKENIZER_PATH, kiln_log_lines, open_trainer, tiny_run_args
 from trainer.components.data_sources import DATASETS, check_data_source
 from trainer.components.tokenizer import load_tokenizer
 from trainer.components.validate import ValidationResult
@@ -35,11 +34,7 @@ def _run(dump: Path, *extra: str) -> dict[str, Any]:
         *("--training.seed", "0", "--training.data_prefetch", "0", "--model.n_layers", "2"),
         *extra,
     )
-    lines, logger = LogLines(), logging.getLogger("kiln")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(lines)
-    try:
+    with kiln_log_lines() as lines:
         with open_trainer(argv) as trainer:
             trainer.train()
             out = {
@@ -51,9 +46,6 @@ def _run(dump: Path, *extra: str) -> dict[str, Any]:
                 "step_lines": [line for line in lines.lines if line.startswith("step:")],
                 "warnings": [line for line in lines.lines if line.startswith("validation:")],
             }
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
     return out
 
 
