@@ -44,12 +44,14 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from triton.language.extra import libdevice
 
+from kiln_base.internals import triton_max_combine
+
 # tl.max's own combine function. The kernels call tl.reduce with it rather than tl.max: tl.max, tl.zeros and the
 # other helpers of triton.language.standard are jit functions whose interpreted or compiled form was fixed when
 # Triton was first imported (torch imports it early, before a test can set TRITON_INTERPRET), so a kernel that must
 # also run in the interpreter uses builtins only. The interpreter recognises this combine function and reduces with
 # NumPy; a GPU compiles exactly what tl.max compiles.
-_MAX = tl.standard._elementwise_max
+_MAX = triton_max_combine()
 
 # Triton kernels read module globals only as constexprs.
 FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max

@@ -441,6 +441,21 @@ def float8_data(fp8: Any) -> torch.Tensor:
     return fp8._data
 
 
+def float8_scale(fp8: Any) -> torch.Tensor:
+    """The scale of a torchao Float8TrainingTensor (`_scale`: multiply by it to go to float8). Checked on torchao
+    0.18.0."""
+    return fp8._scale
+
+
+def triton_max_combine() -> Any:
+    """The combine function of `tl.max` (`triton.language.standard._elementwise_max`), for a kernel that reduces
+    with `tl.reduce` and must also run in Triton's interpreter (float8/rowwise_kernels.py says why). Triton is
+    imported here, only by that module. Checked on Triton 3.7.1 (and the same name since Triton 2.1)."""
+    import triton.language as tl
+
+    return tl.standard._elementwise_max
+
+
 def float8_with_data(fp8: Any, data: torch.Tensor) -> Any:
     """A Float8TrainingTensor like `fp8` (scale, dtype, mm config, role, axis) holding `data` instead.
 

@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from kiln_base.internals import float8_data, float8_scale  # noqa: E402
+
 PEAK_GBS = 4800.0  # H200 HBM3e; an H100 SXM has ~3350
 E4M3 = torch.float8_e4m3fn
 SUMMARY: list[str] = []
@@ -64,7 +66,7 @@ def torchao_cast(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
         axiswise_dim=dim,
         round_scales_to_power_of_2=True,
     )
-    return f8._data, f8._scale
+    return float8_data(f8), float8_scale(f8)
 
 
 def torchao_both(t: torch.Tensor) -> tuple[torch.Tensor, ...]:

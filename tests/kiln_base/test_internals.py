@@ -389,12 +389,24 @@ def test_float8_tensor_fields() -> None:
     scale = torch.tensor(448.0 / hp.abs().max().item())
     fp8 = hp_tensor_and_scale_to_float8(hp, scale, torch.float8_e4m3fn)
     data = internals.float8_data(fp8)
+    assert torch.equal(internals.float8_scale(fp8), scale)
     assert type(data) is torch.Tensor and data.dtype == torch.float8_e4m3fn and data.shape == (16, 16)
     copy = internals.float8_with_data(fp8, data.clone())
     assert type(copy) is Float8TrainingTensor and copy is not fp8
     torch.testing.assert_close(copy.to_original_precision(), fp8.to_original_precision(), rtol=0, atol=0)
     table = internals.float8_ops_table()
     assert any("all_gather_into_tensor" in str(op) for op in table)
+
+
+def test_triton_max_combine_is_tl_max_s() -> None:
+    """The function float8/rowwise_kernels.py reduces with is the one tl.max passes to tl.reduce."""
+    import inspect
+
+    import triton.language as tl
+
+    combine = internals.triton_max_combine()
+    assert combine.__name__ == "_elementwise_max"
+    assert "_elementwise_max" in inspect.getsource(tl.standard.max.fn)
 
 
 def test_float8_weight_inner() -> None:
