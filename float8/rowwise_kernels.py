@@ -121,7 +121,8 @@ def _row_cast_kernel(
         t = tl.load(t_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
         a = tl.abs(t.to(tl.float32))
         amax = tl.maximum(amax, tl.reduce(a, 1, _MAX))
-        tl.atomic_max(col_amax_ptr + cols, tl.reduce(a, 0, _MAX).to(tl.int32, bitcast=True), mask=col_ok)
+        col_max = tl.reduce(a, 0, _MAX).to(tl.int32, bitcast=True)
+        tl.atomic_max(col_amax_ptr + cols, col_max, mask=col_ok, sem="relaxed")  # ordered by the kernel's end
     scale = _pow2_scale(amax, INTERPRETED)
     tl.store(row_scale_ptr + rows, scale, mask=row_ok)
     # Loop 2: the cast, row-major.

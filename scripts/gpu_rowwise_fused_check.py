@@ -166,6 +166,33 @@ def part_b() -> None:
             traceback.print_exc()
 
 
+def part_b2() -> None:
+    """Tile sizes for float8/rowwise_kernels.py's GPU_BLOCKS (row_cast rows, its column step, col_cast_t tile)."""
+    import float8.rowwise_kernels as k
+
+    print("\n(b2) kiln fused casts of [8192, 14336] bf16 by tile sizes (GPU_BLOCKS; median of 50)")
+    t = sample((8192, 14336), torch.bfloat16, seed=0)
+    gb = t.numel() * 4 / 1e9
+    default = k.GPU_BLOCKS
+    best = None
+    for blocks in [(16, 256, 64), (8, 512, 64), (32, 128, 64), (4, 1024, 64), (16, 256, 128), (8, 256, 32)]:
+        try:
+            k.GPU_BLOCKS = blocks
+            row_ms = bench(lambda: k.row_cast(t))
+            amax = k.row_cast(t)[2]
+            col_ms = bench(lambda amax=amax: k.col_cast_t(t, amax))
+            total = row_ms + col_ms
+            sums = f"sum {total:.3f} ms ({gb / total * 1e3:.0f} GB/s)"
+            print(f"  {str(blocks):<16} row_cast {row_ms:.3f} ms  col_cast_t {col_ms:.3f} ms  {sums}")
+            best = min(best or (total, blocks), (total, blocks))
+        except Exception:
+            print(f"  {blocks}: FAILED")
+            traceback.print_exc()
+    k.GPU_BLOCKS = default
+    if best:
+        SUMMARY.append(f"best GPU_BLOCKS {best[1]} ({best[0]:.3f} ms)")
+
+
 def part_c() -> None:
     import copy
 
@@ -234,7 +261,7 @@ def main() -> None:
         f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
         f"torchao {torchao.__version__}"
     )
-    for part in (part_a, part_b, part_c):
+    for part in (part_a, part_b, part_b2, part_c):
         try:
             part()
         except Exception:
