@@ -68,23 +68,18 @@ def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ran
     """The launcher's copy of what each rank checks before it builds (trainer/build.py, the same functions): the
     shape from every source, the tensor-parallel plan and the pipeline split for it, and on a CPU node that the
     model (each pipeline rank's stages) fits the RAM the node's ranks share (on CUDA each rank checks its GPU: the
-    launcher holds no CUDA context)."""
+    launcher holds no CUDA context). The run's plan is the ranks' own (trainer/build.py run_plan)."""
     import torch
 
-    from kiln_base.config import check_parallel_plan, resolve_dp_shard
     from trainer import build
     from trainer.components.initial_load import open_source
 
     path = cfg.checkpoint.initial_load_path
     args = build.model_args(cfg.model, cfg.training.seq_len, tokenizer_words, open_source(path) if path else None)
     gpus = torch.cuda.device_count()
-    check_parallel_plan(cfg, args.shape(), "cuda" if gpus else "cpu")
+    plan = build.run_plan(cfg, args, world_size, "cuda" if gpus else "cpu")  # what each rank plans again
     if not gpus:
-        p = cfg.parallelism
-        tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
-        dp, dp_shard_key = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
-        dp_shard = resolve_dp_shard(dp, dp_shard_key, tp, world_size, cp=cp, pp=pp)
-        build.check_fits(cfg, args, dp_shard * cp * tp, local_ranks, torch.device("cpu"))  # FSDP: dp_shard x cp
+        build.check_fits(cfg, plan, local_ranks, torch.device("cpu"))
 
 
 def exit_now(status: int) -> NoReturn:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from kiln_base.internals import set_inductor_option  # noqa: E402
 from trainer.hooks import StepHook, StepOutput  # noqa: E402
 
 # (category, words in the lower-cased kernel name); the first match wins.
@@ -111,7 +112,7 @@ def format_breakdown(parts: dict[str, float], steps: int) -> str:
     return f"kernels: {', '.join(cells)} of {total / 1e3:.2f} ms over {steps} steps"
 
 
-def top_kernels(kernels: list[tuple[str, float, float]], n: int = 12) -> list[str]:
+def top_kernels(kernels: list[tuple[str, float, float]], n: int = 25) -> list[str]:
     """The `n` kernels with the most total time: name, category, ms, calls."""
     per: dict[str, list[float]] = {}
     for name, start, end in kernels:
@@ -252,11 +253,18 @@ def main(argv: list[str]) -> int:
             bench[key] = int(argv[i + 1])
             argv = argv[:i] + argv[i + 2 :]
     warmup, profile_steps = bench["--bench.warmup"], bench["--bench.profile_steps"]
+    inductor: list[str] = []  # --bench.inductor triton.tile_reductions=false (repeatable)
+    while "--bench.inductor" in argv:
+        i = argv.index("--bench.inductor")
+        inductor.append(argv[i + 1])
+        argv = argv[:i] + argv[i + 2 :]
     try:
         trainer = Trainer(parse_args(argv))
     except UserError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
+    for spec in inductor:  # after the build, so it overrides what kiln set; compilation happens in the first step
+        print(f"inductor: {set_inductor_option(spec)}", flush=True)
     cuda = trainer.device.type == "cuda"
     total = trainer.cfg.training.steps
     timer = BlockTimer(trainer.model, warmup, cuda, last=total - profile_steps)

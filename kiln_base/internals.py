@@ -378,6 +378,47 @@ def enable_emulate_precision_casts() -> None:
     inductor_config.emulate_precision_casts = True
 
 
+def enable_tiled_reductions() -> None:
+    """Let inductor tile reduction kernels in two dimensions (`triton.tile_reductions` with `prefer_nd_tiling`).
+
+    Under float8 + per-op SAC, the backward's RMSNorm kernel also recomputes the norm's output, casts it to float8
+    and stores it transposed (the column-major operand of the weight-gradient matmul). A reduction kernel tiled by
+    rows only writes that transposed copy one byte per row apart (uncoalesced): on one H200 those kernels took 4x
+    the bf16 norms' time (docs/performance.md). Process-wide, like every inductor config.
+    Checked on torch 2.11.0, 2.13.0 (`torch._inductor.config.triton.tile_reductions`, `prefer_nd_tiling`).
+    """
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.tile_reductions = True
+    inductor_config.triton.prefer_nd_tiling = True
+
+
+def set_inductor_option(spec: str) -> str:
+    """`key=value` into torch._inductor.config (dotted keys, e.g. `triton.tile_reductions=false`; booleans and
+    integers converted), for benchmarks/row.py's `--bench.inductor` knob; returns what changed. An unknown key
+    raises AttributeError naming it. Checked on torch 2.11.0, 2.13.0."""
+    import torch._inductor.config as inductor_config
+
+    key, _, text = spec.partition("=")
+    *path, name = key.split(".")
+    owner: Any = inductor_config
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, name)
+    value: Any = {"true": True, "false": False}.get(text.lower(), text)
+    if isinstance(old, int) and not isinstance(old, bool) and isinstance(value, str):
+        value = int(value)
+    setattr(owner, name, value)
+    return f"{key} = {value!r} (was {old!r})"
+
+
+def tiled_reductions_enabled() -> bool:
+    """Checked on torch 2.11.0, 2.13.0."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.triton.tile_reductions and inductor_config.triton.prefer_nd_tiling)
+
+
 def emulate_precision_casts_enabled() -> bool:
     """Checked on torch 2.11.0, 2.13.0."""
     import torch._inductor.config as inductor_config

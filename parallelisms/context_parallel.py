@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln_base.config import Parallelism
+from kiln_base.config import Parallelism, SequenceSplit
 
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
@@ -60,19 +60,9 @@ c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
-class SequenceLayout:
-    """How one sequence is split over `cp` ranks: into `n_chunks` equal chunks, of which rank r holds `chunks(r)`,
-    in that order (its local tokens are those chunks concatenated)."""
-
-    cp: int
-    load_balance: bool  # head-tail: 2 cp chunks, rank r holds r and 2 cp - 1 - r
-
-    @property
-    def n_chunks(self) -> int:
-        return 2 * self.cp if self.load_balance else self.cp
-
-    def chunks(self, rank: int) -> tuple[int, ...]:
-        return (rank, 2 * self.cp - 1 - rank) if self.load_balance else (rank,)
+class SequenceLayout(SequenceSplit):
+    """How one sequence is split over `cp` ranks (kiln_base.config.SequenceSplit: `n_chunks` equal chunks, of which
+    rank r holds `chunks(r)`, in that order), applied to tensors: its local tokens are those chunks concatenated."""
 
     def positions(self, rank: int, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global positions (int64) of rank `rank`'s tokens, in its local order."""
@@ -226,11 +216,12 @@ class ContextParallel:
 
 
 def build_context_parallel(dims: ParallelDims, p: Parallelism) -> ContextParallel | None:
-    """This rank's ContextParallel from the mesh's `cp` dimension; None when context parallelism is off."""
+    """This rank's ContextParallel from the mesh's `cp` dimension; None when context parallelism is off. The
+    build makes it once (trainer/build.py build_model): the blocks' attention and the Trainer's batch sharding."""
     if not dims.cp_enabled:
         return None
     mesh = dims.cp_mesh
-    layout = SequenceLayout(dims.cp, load_balance=p.context_parallel_load_balancer == "headtail")
+    layout = SequenceLayout.of(p)
     return ContextParallel(layout, mesh.get_local_rank(), mesh.get_group().group_name, p.context_parallel_rotate_method)
 
 

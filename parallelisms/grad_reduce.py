@@ -95,7 +95,7 @@ def reduction_line(training: Training, dp_replicate: int, dp_shard: int, tp: int
     if pp > 1:
         parts.append(
             f"none over the {pp} pipeline ranks (each holds its own stages' gradients; the gradient norm sums their "
-            "squares in float32)"
+            "squares in float64)"
         )
     what = "; ".join(parts) if parts else "none (one data-parallel rank, no TP)"
     return f"Gradient reductions (training.mixed_precision_reduce = {mode}): {what}"

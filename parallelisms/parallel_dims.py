@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kiln_base.config import resolve_dp_shard
+from kiln_base.config import Degrees, resolve_dp_shard
 from kiln_base.internals import flatten_mesh
 
 
@@ -27,6 +27,17 @@ class ParallelDims:
             self.dp_replicate, self.dp_shard, self.tp, self.world_size, cp=self.cp, pp=self.pp
         )
 
+    @classmethod
+    def of(cls, degrees: Degrees) -> ParallelDims:
+        """The run plan's degrees (kiln_base.config.plan_run), before the mesh is built."""
+        d = degrees
+        return cls(d.dp_replicate, d.dp_shard, d.tp, d.world_size, cp=d.cp, pp=d.pp)
+
+    @property
+    def degrees(self) -> Degrees:
+        """The degrees and the counts derived from them (fsdp_shards, param_shards, dp_degree: kiln_base.config)."""
+        return Degrees(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
     @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
@@ -38,7 +49,7 @@ class ParallelDims:
     @property
     def fsdp_enabled(self) -> bool:
         """Parameters are sharded: over dp_shard and the context-parallel ranks, which join FSDP's shard group."""
-        return self.dp_shard * self.cp > 1
+        return self.degrees.fsdp_shards > 1
 
     @property
     def dp_enabled(self) -> bool:
@@ -65,7 +76,7 @@ class ParallelDims:
     def dp_degree(self) -> int:
         """Number of distinct data streams (the ranks of one TP or CP group, and of one pipeline, see the same
         batch)."""
-        return self.dp_replicate * self.dp_shard
+        return self.degrees.dp_degree
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The mesh in torchtitan's order, outermost first: (pp, dp_replicate, dp_shard, cp, tp), every dimension

@@ -29,10 +29,11 @@ from kiln_base.config import BF16_WIRE, ActivationCheckpoint, Float8, Parallelis
 from kiln_base.internals import (
     enable_emulate_precision_casts,
     enable_micro_pipeline_tp,
+    enable_tiled_reductions,
     fsdp_reduce_tp_partial_grads_in_reduce_dtype,
 )
 from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.context_parallel import ContextParallel, build_context_parallel
+from parallelisms.context_parallel import ContextParallel
 from parallelisms.grad_reduce import REDUCE_DTYPE, Bf16WireReduceScatter
 from parallelisms.parallel_dims import ParallelDims
 
@@ -45,7 +46,7 @@ logger = logging.getLogger("kiln")
 
 def float8_tensorwise_tp(float8: Float8) -> bool:
     """Tensorwise float8 can all-gather activations in float8; rowwise recipes use the high-precision styles."""
-    return float8.enable_float8_linear and float8.recipe_name in (None, "tensorwise")
+    return float8.enable_float8_linear and float8.recipe == "tensorwise"
 
 
 def apply_tp(
@@ -116,6 +117,9 @@ def apply_compile(model: Transformer, float8: Float8) -> None:
     if float8.enable_float8_linear and float8.recipe_name in ("rowwise", "rowwise_with_gw_hp"):
         enable_emulate_precision_casts()
         logger.info("float8 rowwise + compile: inductor emulate_precision_casts on (pytorch#150859)")
+    if float8.enable_float8_linear:
+        enable_tiled_reductions()
+        logger.info("float8 + compile: inductor tile_reductions on (coalesced transposed float8 copies)")
     for name, block in model.layers.named_children():
         compiled = cast(nn.Module, torch.compile(block, fullgraph=True))  # an OptimizedModule
         # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
@@ -160,6 +164,14 @@ def apply_fsdp(
     if parallel_dims.tp_enabled:
         fsdp_reduce_tp_partial_grads_in_reduce_dtype()  # pytorch#190626: else the TP all-reduce ignores reduce_dtype
     policy = parallelism.fsdp_reshard_after_forward
+    # Groups as torchtitan makes them: the embedding, each block, the final norm with the output layer, then the
+    # root. The output layer's gradients (a quarter of the 8B's weights with vocab 128,256) are then reduced while
+    # the blocks' backward runs, not after it; tied weights stay in the root (one parameter, one group).
+    tied = model.output is not None and model.tok_embeddings is not None
+    tied = tied and model.output.weight is model.tok_embeddings.weight
+    if model.tok_embeddings is not None and not tied:
+        reshard = {"always": True, "never": False}.get(policy, not parallel_dims.pp_enabled)
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # By default the last block keeps its params: backward needs them right away. A pipeline stage runs the
@@ -168,6 +180,9 @@ def apply_fsdp(
         default = i < len(blocks) - 1 and not parallel_dims.pp_enabled
         reshard = {"always": True, "never": False}.get(policy, default)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if model.norm is not None and model.output is not None and not tied:
+        # Backward needs them first: kept gathered after the forward unless resharding is always asked for.
+        fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=policy == "always")
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if training.mixed_precision_reduce == BF16_WIRE and parallel_dims.fsdp_enabled:  # a reduce-scatter: dp_shard x cp
@@ -194,13 +209,15 @@ def parallelize_llama(
     parallelism: Parallelism,
     ac: ActivationCheckpoint,
     float8: Float8,
+    cp: ContextParallel | None = None,
 ) -> dict[str, ParallelStyle]:
-    """Apply CP, TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled).
+    """Apply CP, TP, AC, compile and FSDP/HSDP to a meta-device Llama3 (already float8-converted if enabled). `cp`:
+    this rank's ContextParallel (parallelisms/context_parallel.py build_context_parallel), whose attention every
+    block gets; None without context parallelism.
 
     Returns the TP plan applied (module FQN -> style; empty without TP), for the dry run to print.
     """
     tp_plan: dict[str, ParallelStyle] = {}
-    cp = build_context_parallel(parallel_dims, parallelism)
     if cp is not None:
         apply_cp(model, cp)
     if parallel_dims.tp_enabled:

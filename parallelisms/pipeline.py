@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -190,19 +190,3 @@ class Pipeline:
             loss = torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # no host sync: the non-finite guard and the log read it later
         return loss
-
-
-def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup, foreach: bool
-) -> torch.Tensor:
-    """Clip to the global gradient norm of a pipeline: each rank's norm over its stages (a DTensor's reduced over
-    its mesh), squared, summed over the pipeline group. Every rank returns the same norm."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=foreach)  # type: ignore[misc]
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    total = norm.float() ** 2
-    dist.all_reduce(total, group=pp_group)
-    total = total.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
-    return total

@@ -3,21 +3,24 @@
     float8_converter   [float8] -> the converter (torchao and the GPUs checked first, before any process group)
     process_group      the default group and this rank's device; lost-peer watch
     model_args         flavor + model.* overrides (or the shape stored with checkpoint.initial_load_path) -> ModelArgs
-    parallel_dims      degrees checked against the world, the shape and the device; the device mesh
+    run_plan           the run's plan (kiln_base.config.plan_run: degrees, sequence split, pipeline stages) for this
+                       world and shape, checked against the device
+    parallel_dims      the plan's degrees as ParallelDims; the device mesh
     check_fits         the model's training state fits this rank's memory (host RAM on a CPU, the GPU's on CUDA)
     data               the tokenizer's batches, this data-parallel rank's slice
-    build_model        ModelArgs -> model on the meta device -> float8 conversion -> (pipeline stages) -> parallelize
-                       (CP, TP, AC, compile, FSDP)
+    build_model        ModelArgs -> model on the meta device -> float8 conversion -> (the plan's pipeline stages) ->
+                       parallelize (CP, TP, AC, compile, FSDP); this rank's ContextParallel, made once
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
     pipeline           under pipeline parallelism: the stages as torch PipelineStages and their schedule
-    optimizer          AdamW + the LR schedule
     validator          [validation] on: held-out batches and the loss of the current weights on them
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
 
 Before the model: the checkpoint folder is claimed (claim_checkpoint_folder) and the other output folders are
 checked writable (check_output_folders).
 
-Each phase is a function of what it needs, never of the Trainer; the hooks phase is `trainer.hooks.build_hooks`.
+Each phase is a function of what it needs, never of the Trainer; the optimizer and LR schedule come from
+trainer/components/optim.py (Trainer._build calls them between `validator` and `checkpointer`); the hooks phase is
+`trainer.hooks.build_hooks`.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ from kiln_base.config import (
     JobConfig,
     Model,
     PipelinePlan,
+    RunPlan,
     check_model_memory,
     check_model_shape,
     check_overrides_match_stored,
     check_parallel_plan,
-    check_pipeline,
     check_pipeline_device,
     check_same_model,
-    check_world,
+    logit_tokens,
+    plan_run,
 )
 from kiln_base.errors import ConfigError
 from kiln_base.files import writable_dir_problem
@@ -59,6 +63,7 @@ from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
 from models.args import first_difference
 from models.flops import CONVENTIONS as FLOP_CONVENTIONS
+from parallelisms.context_parallel import ContextParallel, build_context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.pipeline import Pipeline, StagedModel, stage_model
@@ -131,34 +136,29 @@ def memory_capacity(device: torch.device) -> tuple[int, str]:
     return ram, "this machine's RAM"
 
 
-def check_fits(cfg: JobConfig, args: ModelArgs, shards: int, ranks_sharing: int, device: torch.device) -> None:
-    """The model's fp32 weights, gradients and AdamW state split over `shards` ranks, and one micro-batch's logits,
-    for the `ranks_sharing` ranks on one memory, fit that memory (kiln_base.config.check_model_memory; under
-    pipeline parallelism each rank's stages and a pipeline micro-batch); skipped by a dry run, which plans any size
-    and prints its own estimate."""
+def check_fits(cfg: JobConfig, plan: RunPlan, ranks_sharing: int, device: torch.device) -> None:
+    """The model's fp32 weights, gradients and AdamW state split over the plan's parameter shards (FSDP x TP), and
+    the logits of the largest micro-batch (training's or validation's), for the `ranks_sharing` ranks on one
+    memory, fit that memory (kiln_base.config.check_model_memory; under pipeline parallelism each rank's stages and
+    a pipeline micro-batch); skipped by a dry run, which plans any size and prints its own estimate."""
     capacity, what = memory_capacity(device)
-    p = cfg.parallelism
-    plan = check_pipeline(cfg, args.shape())  # a pipeline rank holds its stages; the last one a micro-batch's logits
-    batch = cfg.training.local_batch_size if plan is None else p.pipeline_parallel_microbatch_size
-    tokens = batch * cfg.training.seq_len // p.context_parallel_degree  # a CP rank: 1/cp of each sequence
-    check_model_memory(args.shape(), shards, tokens, p.tensor_parallel_degree, ranks_sharing, capacity, what, plan)
+    tokens, which = logit_tokens(cfg, plan)
+    shards, tp = plan.degrees.param_shards, plan.degrees.tp
+    check_model_memory(plan.shape, shards, tokens, tp, ranks_sharing, capacity, what, plan.pipeline, which)
 
 
-def parallel_dims(cfg: JobConfig, args: ModelArgs, device_type: str) -> ParallelDims:
-    """The degrees for this world, checked against the world size, the model's shape and the device; the mesh."""
-    world = dist.get_world_size()
-    check_world(cfg, world)
-    check_parallel_plan(cfg, args.shape(), device_type)
-    p = cfg.parallelism
-    check_pipeline_device(p, device_type, pipeline_warmup_sends_to_own_rank())
-    dims = ParallelDims(
-        p.data_parallel_replicate_degree,
-        p.data_parallel_shard_degree,
-        p.tensor_parallel_degree,
-        world,
-        cp=p.context_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-    )
+def run_plan(cfg: JobConfig, args: ModelArgs, world_size: int, device_type: str) -> RunPlan:
+    """The run's plan for this world and shape (kiln_base.config.plan_run), and the rules that also need the device
+    type (its ranks' in the launcher): the launcher and each rank, before anything is built."""
+    plan = plan_run(cfg, world_size, args.shape())
+    check_parallel_plan(cfg, plan.shape, device_type)
+    check_pipeline_device(cfg.parallelism, device_type, pipeline_warmup_sends_to_own_rank())
+    return plan
+
+
+def parallel_dims(plan: RunPlan, device_type: str) -> ParallelDims:
+    """The plan's degrees as ParallelDims, and the device mesh they build."""
+    dims = ParallelDims.of(plan.degrees)
     dims.build_mesh(device_type)
     return dims
 
@@ -208,6 +208,7 @@ class BuiltModel:
     # state-dict keys (whole tensors' shapes) held by the other ranks of this rank's pipeline: a checkpoint of the
     # whole model is checked and loaded against them too (trainer/components/checkpoint.py check_matches)
     held_elsewhere: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    cp: ContextParallel | None = None  # this rank's context parallelism (the blocks' attention, the batch's split)
 
 
 def build_model(
@@ -215,19 +216,22 @@ def build_model(
     args: ModelArgs,
     dims: ParallelDims,
     float8: Float8Converter | None,
+    *,
+    pipeline: PipelinePlan | None = None,
     stage_ids: tuple[int, ...] | None = None,
 ) -> BuiltModel:
     """The model on the meta device, float8-converted (when a converter is given) and parallelized: the one
-    model-build path, shared by the Trainer and the dry run. Under pipeline parallelism the float8-converted model
-    is cut into stages (kiln_base.config.pipeline_plan) and each of this rank's stages (or `stage_ids`: the dry run
-    plans every stage) is parallelized like a whole model."""
+    model-build path, shared by the Trainer and the dry run. Under pipeline parallelism (`pipeline`: the run plan's
+    stages) the float8-converted model is cut into stages and each of this rank's stages (or `stage_ids`: the dry
+    run plans every stage) is parallelized like a whole model. Context parallelism's object is made here, once:
+    every block's attention runs through it, and the Trainer splits each batch with it."""
     with torch.device("meta"):
         model = Transformer(args)
     if float8 is not None:
         float8.convert(model)
     n_params = num_params(model)
     flops = {c: flops_per_token(args, model, cfg.training.seq_len, c) for c in FLOP_CONVENTIONS}
-    plan = check_pipeline(cfg, args.shape())
+    plan = pipeline
     if plan is None:
         parts: list[Transformer] = [model]
         ids: tuple[int, ...] = (0,)
@@ -239,11 +243,21 @@ def build_model(
         elsewhere = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in local}
     linear_fqns = [n for part in parts for n, mod in part.named_modules() if isinstance(mod, nn.Linear)]
     tp_plan: dict[str, ParallelStyle] = {}
+    cp = build_context_parallel(dims, cfg.parallelism)
     for part in parts:
-        tp_plan |= parallelize_llama(part, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8)
+        tp_plan |= parallelize_llama(
+            part, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8, cp=cp
+        )
     whole = parts[0] if plan is None else StagedModel(parts)
     chosen = flops[cfg.metrics.attention_flops]
-    return BuiltModel(whole, list(parts), args, n_params, chosen, flops, linear_fqns, tp_plan, plan, ids, elsewhere)
+    return BuiltModel(
+        whole, list(parts), args, n_params, chosen, flops, linear_fqns, tp_plan, plan, ids, elsewhere, cp=cp
+    )
+
+
+def local_params(model: nn.Module) -> int:
+    """Parameters this rank holds: each one's local shard (a DTensor's after TP and FSDP), for the memory estimate."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
 
 def pipeline(

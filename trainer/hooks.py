@@ -43,7 +43,7 @@ class StepOutput:
     step: int
     last: bool  # the final step of the run
     loss: torch.Tensor  # mean over micro-batches, this rank, on the device (no host sync yet)
-    grad_norm: torch.Tensor  # global norm before clipping (a DTensor when parameters are sharded)
+    grad_norm: torch.Tensor  # global norm before clipping, float64, the same on every rank (parallelisms/grad_norm.py)
     lr: float  # the learning rate this step used
 
 
@@ -189,12 +189,10 @@ class MetricsHook(StepHook):
         val = self.validation.result if self.validation is not None else None
         if not (self.metrics.should_log(out.step) or out.last or self.force() or val is not None):
             return
-        # clip_grad_norm_ already returns the global norm (a DTensor when params are sharded).
-        norm = out.grad_norm.full_tensor() if hasattr(out.grad_norm, "full_tensor") else out.grad_norm
         loss = self.global_mean(out.loss)
         self.losses.append(loss)
         shown = None if val is None else (val.loss, val.perplexity)
-        self.metrics.log(out.step, self.total_steps, loss, norm.item(), out.lr, shown)
+        self.metrics.log(out.step, self.total_steps, loss, out.grad_norm.item(), out.lr, shown)
 
 
 class CheckpointHook(StepHook):
@@ -315,6 +313,7 @@ class Float8CheckHook(StepHook):
 
 def build_hooks(
     cfg: JobConfig,
+    *,
     model: nn.Module,
     float8_on: bool,
     fsdp_enabled: bool,

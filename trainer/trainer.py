@@ -20,18 +20,18 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kiln_base.config import (
     CPU_BF16_COST,
     JobConfig,
+    RunPlan,
     Training,
     check_memory_budget,
-    grad_accum_steps,
+    memory_estimate,
     resolve_mixed_precision,
     validation_shape,
 )
 from kiln_base.errors import CheckpointError
-from parallelisms.context_parallel import build_context_parallel
+from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import loss_parallel_enabled
-from parallelisms.pipeline import clip_grad_norm_
 from trainer import build
 from trainer.components.checkpoint import step_dir
 from trainer.components.checkpoint_folder import FolderClaim
@@ -44,7 +44,6 @@ from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
-from trainer.tools.dry_run import memory_estimate, stage_share
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
@@ -94,15 +93,13 @@ def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str) -> None
     log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type)
 
 
-def check_budget(cfg: JobConfig, built: build.BuiltModel, dims: ParallelDims) -> None:
-    """training.memory_budget_gib against the dry run's estimate of this rank's part (a pipeline rank: its stages'
-    blocks and the micro-batches its schedule keeps in flight), before any weight is allocated."""
-    p, plan = cfg.parallelism, built.pipeline
-    stage = (
-        None if plan is None else stage_share(plan, dims.pp_mesh.get_local_rank(), p.pipeline_parallel_microbatch_size)
-    )
-    ac, rotate = cfg.activation_checkpoint, p.context_parallel_rotate_method
-    check_memory_budget(cfg, memory_estimate(built.model, built.args, cfg.training, ac, dims, rotate, stage=stage))
+def check_budget(cfg: JobConfig, plan: RunPlan, built: build.BuiltModel, dims: ParallelDims, device_type: str) -> None:
+    """training.memory_budget_gib against the plan's estimate of this rank's part (kiln_base.config.memory_estimate;
+    a pipeline rank: its stages' blocks and the micro-batches its schedule keeps in flight), before any weight is
+    allocated."""
+    pp_rank = dims.pp_mesh.get_local_rank() if dims.pp_enabled else 0
+    estimate = memory_estimate(cfg, plan, build.local_params(built.model), device_type, pp_rank)
+    check_memory_budget(cfg, estimate)
 
 
 def compute_precision(
@@ -112,7 +109,7 @@ def compute_precision(
     compute over fp32 master weights); logs it and every gradient reduction's precision."""
     precision = resolve_mixed_precision(t.mixed_precision_param, device_type)
     log_precision(t.mixed_precision_param, precision, device_type)
-    logger.info(reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, device_type, dims.pp))
+    logger.info(reduction_line(t, dims.dp_replicate, dims.degrees.fsdp_shards, dims.tp, device_type, dims.pp))
     autocast = not dims.fully_shard_enabled and precision == "bfloat16"  # FSDP above shards over dp_shard x cp
     amp = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     return precision, amp
@@ -155,22 +152,22 @@ class Trainer:
         # The RoPE table covers the longest sequence the run feeds: training's, or validation's when longer.
         longest = max(t.seq_len, validation_shape(cfg.validation, t)[1]) if cfg.validation.enable else t.seq_len
         args = build.model_args(cfg.model, longest, self.tokenizer.n_words, source, self.tokenizer.bos_id)
-        self.parallel_dims = build.parallel_dims(cfg, args, self.device.type)
-        shards = self.parallel_dims.dp_shard * self.parallel_dims.cp * self.parallel_dims.tp  # FSDP: dp_shard x cp
+        self.plan = build.run_plan(cfg, args, dist.get_world_size(), self.device.type)
+        self.parallel_dims = build.parallel_dims(self.plan, self.device.type)
         local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        build.check_fits(cfg, args, shards, local_ranks, self.device)
-        dp_degree = self.parallel_dims.dp_degree
-        self.grad_accum_steps = grad_accum_steps(t, dp_degree)
+        build.check_fits(cfg, self.plan, local_ranks, self.device)
+        dp_degree = self.plan.degrees.dp_degree
+        self.grad_accum_steps = self.plan.grad_accum_steps
         set_determinism(t.seed, t.deterministic)
         self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device)
 
-        built = build.build_model(cfg, args, self.parallel_dims, self.float8)
+        built = build.build_model(cfg, args, self.parallel_dims, self.float8, pipeline=self.plan.pipeline)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
-        check_budget(cfg, built, self.parallel_dims)
+        check_budget(cfg, self.plan, built, self.parallel_dims, self.device.type)
         log_model(cfg, built, self.device.type)
         build.materialize(built.parts, self.device, build.init_seed(t.seed))
         self.precision, self.amp = compute_precision(t, self.parallel_dims, self.device.type)
-        self.cp = build_context_parallel(self.parallel_dims, cfg.parallelism)  # each rank's part of a sequence
+        self.cp = built.cp  # each rank's part of a sequence (the blocks' attention shares it)
         self.loss_parallel = loss_parallel_enabled(self.parallel_dims, cfg.parallelism)  # vocab-sharded logits
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
         self.pipeline = build.pipeline(cfg, built, self.parallel_dims, self.device, self.loss_fn)  # None without PP
@@ -315,7 +312,7 @@ class Trainer:
             group = self.parallel_dims.pp_mesh.get_group()
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, group, foreach)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=foreach)
+            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, None, foreach)
         self.last_lr = float(self.lr_scheduler.get_last_lr()[0])  # the lr this step used, for the log line
         self.optimizer.step()
         if self.float8 is not None:
@@ -334,18 +331,18 @@ class Trainer:
         """The hooks phase (trainer/hooks.py), for a loop starting after self.step."""
         return build_hooks(
             self.cfg,
-            self.model,
-            self.float8 is not None,
-            self.parallel_dims.fsdp_enabled,
-            self.device,
-            self.step,
-            self.metrics,
-            self.checkpointer,
-            self.nan_guard,
-            self._global_mean_loss,
-            self.losses,
-            self.validator,
-            self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
+            model=self.model,
+            float8_on=self.float8 is not None,
+            fsdp_enabled=self.parallel_dims.fsdp_enabled,
+            device=self.device,
+            start_step=self.step,
+            metrics=self.metrics,
+            checkpointer=self.checkpointer,
+            nan_guard=self.nan_guard,
+            global_mean=self._global_mean_loss,
+            losses=self.losses,
+            validator=self.validator,
+            pp_group=self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
         )
 
     def train(self, extra_hooks: Sequence[StepHook] = ()) -> None:

@@ -5,6 +5,7 @@ torchtitan's names translated) and every check, each in its own module; standard
     values.py             strict conversion of a TOML or command-line value to a field's type
     torchtitan_compat.py  torchtitan's key names and what kiln does with each
     parse.py              defaults < TOML < command line; paths; --help and --job.print_config
+    plan.py               the run's plan: degrees, sequence split, pipeline stages, memory per rank
     checks.py             every rule between values, run when its facts are known
 """
 
@@ -15,32 +16,18 @@ from kiln_base.config.checks import (
     MIN_TORCHAO,
     MODEL_FIELDS,
     SHAPE_OVERRIDES,
-    TRAINING_BYTES_PER_PARAM,
-    ModelShape,
-    PipelinePlan,
-    check_config,
+    check_config_alone,
     check_float8_cpu,
     check_float8_gpus,
-    check_memory_budget,
     check_model_fields,
-    check_model_memory,
     check_model_shape,
     check_overrides_match_stored,
     check_parallel_plan,
-    check_pipeline,
     check_pipeline_device,
     check_ranges,
     check_rowwise_fused_cast_machine,
     check_same_model,
-    check_sequence_split,
     check_torchao,
-    check_world,
-    grad_accum_steps,
-    model_params,
-    pipeline_plan,
-    resolve_dp_shard,
-    training_bytes,
-    whole_model_modules,
 )
 from kiln_base.config.parse import (
     KILN_ROOT,
@@ -49,6 +36,31 @@ from kiln_base.config.parse import (
     resolve_input_path,
     resolve_output_path,
     to_toml,
+)
+from kiln_base.config.plan import (
+    TRAINING_BYTES_PER_PARAM,
+    Degrees,
+    ModelShape,
+    PipelinePlan,
+    RunPlan,
+    SequenceSplit,
+    check_memory_budget,
+    check_microbatches,
+    check_model_memory,
+    check_pipeline,
+    check_sequence_split,
+    check_world,
+    grad_accum_steps,
+    logit_tokens,
+    memory_estimate,
+    model_params,
+    pipeline_plan,
+    pipeline_rank_params,
+    plan_run,
+    resolve_dp_shard,
+    stage_params,
+    training_bytes,
+    whole_model_modules,
 )
 from kiln_base.config.schema import (
     AT_LEAST_0,
@@ -93,6 +105,15 @@ from kiln_base.config.schema import (
 )
 
 __all__ = [
+    "stage_params",
+    "plan_run",
+    "pipeline_rank_params",
+    "memory_estimate",
+    "logit_tokens",
+    "check_microbatches",
+    "SequenceSplit",
+    "RunPlan",
+    "Degrees",
     "AT_LEAST_0",
     "AT_LEAST_1",
     "ATTENTION_FLOPS",
@@ -140,7 +161,7 @@ __all__ = [
     "Training",
     "Validation",
     "attention_flavor",
-    "check_config",
+    "check_config_alone",
     "check_float8_cpu",
     "check_float8_gpus",
     "check_memory_budget",

@@ -1,29 +1,30 @@
 """Every config check, in one place, run at the moment its facts are known:
 
-    check_config(cfg)                      the config alone (ranges, flag combinations, files and packages): parse time
-    check_world(cfg, world_size)           + the world size: the launcher before torchrun, each rank at start
+    check_config_alone(cfg)                the config alone (ranges, flag combinations, files and packages): parse time
     check_model_fields(...)                + a model's fields, from any source: before anything computes with them
     check_model_shape(...)                 + the model's shape: the launcher and each rank, before any build
-    check_model_memory(...)                + the machine's memory: the launcher and each rank, before any build
     check_parallel_plan(...)               + the shape, the degrees and the device type: each rank, before the build
-    check_pipeline(cfg, shape)             + the shape: the pipeline split (the launcher with pipelining on, each rank)
     check_float8_device(...)               + what the GPUs and torch can do: each rank, before the build
 
-Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint; check_config only looks
-for the files and packages the config names), so this module stays standard-library only and instant. A failed check
-raises ConfigError: one line naming the key and what is valid.
+What the world size and the shape decide about the layout (the degrees, the sequence split, the pipeline's stages,
+the memory a rank needs) is the run's plan: kiln_base/config/plan.py computes and checks it (check_world,
+plan_run, check_model_memory, check_memory_budget).
+
+Each takes plain values (the caller gathers the facts: torch, the tokenizer, the checkpoint; check_config_alone only
+looks for the files and packages the config names), so this module stays standard-library only and instant. A
+failed check raises ConfigError: one line naming the key and what is valid.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
+from kiln_base.config.plan import PP, ModelShape, check_microbatches
 from kiln_base.config.schema import (
     FROM_CHECKPOINT,
     PP_SCHEDULES,
@@ -33,7 +34,6 @@ from kiln_base.config.schema import (
     Model,
     Parallelism,
     Range,
-    Training,
     resolve_mixed_precision,
     validation_shape,
 )
@@ -55,7 +55,7 @@ def check_ranges(cfg: JobConfig) -> None:
                 raise ConfigError(f"{section.name}.{f.name} must be {valid.describe(value)}, got {value!r}")
 
 
-def check_config(cfg: JobConfig) -> None:
+def check_config_alone(cfg: JobConfig) -> None:
     """What the config alone decides (ranges, flag combinations, the files it names); parse_args runs it."""
     t = cfg.training
     check_ranges(cfg)
@@ -168,41 +168,6 @@ def _check_float8_flags(cfg: Float8) -> None:
         )
 
 
-def _check_rowwise_fused_cast(cfg: JobConfig) -> None:
-    """float8.rowwise_fused_cast: kiln's fused casts of the rowwise recipe (float8/rowwise_fused.py), which run on
-    whole (unsharded) operands only."""
-    f8 = cfg.float8
-    if not f8.rowwise_fused_cast:
-        return
-    if not f8.enable_float8_linear or f8.recipe != "rowwise":
-        now = f"float8.recipe_name is '{f8.recipe}'" if f8.enable_float8_linear else "float8 is off"
-        raise ConfigError(
-            f"float8.rowwise_fused_cast fuses the casts of recipe_name rowwise, but {now}; add "
-            "--float8.enable_float8_linear --float8.recipe_name rowwise, or drop the flag"
-        )
-    tp = cfg.parallelism.tensor_parallel_degree
-    _check(
-        tp == 1,
-        f"float8.rowwise_fused_cast casts whole operands and does not run under tensor parallelism "
-        f"(parallelism.tensor_parallel_degree {tp}); drop the flag (torchao's rowwise casts run under TP) or set "
-        "tensor_parallel_degree 1",
-    )
-
-
-def check_rowwise_fused_cast_machine(cfg: Float8, *, device: str, rocm: bool, triton: bool, interpreter: bool) -> None:
-    """float8.rowwise_fused_cast runs Triton kernels: on an NVIDIA GPU (e4m3fn; ROCm's float8 is e4m3fnuz), or on
-    a CPU through Triton's interpreter (TRITON_INTERPRET=1, as the tests do)."""
-    if not (cfg.enable_float8_linear and cfg.rowwise_fused_cast):
-        return
-    _check(triton, "float8.rowwise_fused_cast needs Triton, which is not installed (pip install triton); drop the flag")
-    _check(not rocm, "float8.rowwise_fused_cast: its kernels write e4m3fn, not ROCm's e4m3fnuz; drop the flag on ROCm")
-    _check(
-        device == "cuda" or interpreter,
-        "float8.rowwise_fused_cast runs Triton kernels: on a CPU only through Triton's interpreter "
-        "(TRITON_INTERPRET=1, slow: for tests); drop the flag or set TRITON_INTERPRET=1",
-    )
-
-
 def _check_pipeline_flags(cfg: JobConfig) -> None:
     """What pipelining cannot be combined with, and its micro-batches (the split needs the model's shape:
     check_pipeline)."""
@@ -240,98 +205,7 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
         )
 
 
-def resolve_dp_shard(dp_replicate: int, dp_shard: int, tp: int, world_size: int, *, cp: int = 1, pp: int = 1) -> int:
-    """data_parallel_shard_degree for this world size (-1 = the rest); ConfigError unless the degrees multiply to
-    the world size. ParallelDims and check_world both call this. The degrees are named in the mesh's order
-    (pipeline, replicate, shard, context, tensor); the pipeline and context degrees only where they are on."""
-    degrees = {"pipeline_parallel_degree": pp, "data_parallel_replicate_degree": dp_replicate}
-    degrees |= {"data_parallel_shard_degree": dp_shard, "context_parallel_degree": cp, "tensor_parallel_degree": tp}
-    for name, value in degrees.items():
-        if value < 1 and name != "data_parallel_shard_degree":
-            raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
-    for name, value in (("pipeline_parallel_degree", pp), ("context_parallel_degree", cp)):
-        if value == 1:
-            del degrees[name]
-    others = {k: v for k, v in degrees.items() if k != "data_parallel_shard_degree"}
-    product = math.prod(others.values())
-    if dp_shard == -1:
-        if world_size % product:
-            raise ConfigError(
-                f"parallelism: {' x '.join(others)} = {product} does not divide the world size {world_size}"
-            )
-        dp_shard = degrees["data_parallel_shard_degree"] = world_size // product
-    if dp_shard < 1 or product * dp_shard != world_size:
-        named = " x ".join(f"{k} ({v})" for k, v in degrees.items())
-        raise ConfigError(f"parallelism: {named} must equal the world size {world_size}")
-    return dp_shard
-
-
-def grad_accum_steps(t: Training, dp_degree: int) -> int:
-    """Micro-batches per optimizer step: global batch / (local batch x data-parallel degree), which must divide."""
-    per_step = t.local_batch_size * dp_degree
-    global_bs = per_step if t.global_batch_size == -1 else t.global_batch_size
-    if global_bs % per_step:
-        raise ConfigError(
-            f"training.global_batch_size ({global_bs}) must be a multiple of local_batch_size x "
-            f"data-parallel degree ({t.local_batch_size} x {dp_degree} = {per_step})"
-        )
-    return global_bs // per_step
-
-
-def check_world(cfg: JobConfig, world_size: int) -> None:
-    """What the config and the world size decide: the degrees multiply to the world, the global batch divides,
-    sequence parallel splits every sequence. run_train.sh runs it before torchrun starts a rank; ParallelDims too."""
-    p = cfg.parallelism
-    tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
-    dp_shard = resolve_dp_shard(
-        p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp=cp, pp=pp
-    )
-    grad_accum_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard)
-    check_sequence_split(cfg.training.seq_len, p)
-    if cfg.validation.enable:  # validation batches are split the same way
-        check_sequence_split(validation_shape(cfg.validation, cfg.training)[1], p, "validation.seq_len")
-
-
-def check_sequence_split(seq_len: int, p: Parallelism, key: str = "training.seq_len") -> None:
-    """Context parallelism splits every sequence into chunks (2 x degree with head-tail load balancing), and
-    sequence parallel (TP) splits each rank's part again into tensor_parallel_degree pieces: all must be whole.
-    `key` names the length (training.seq_len, or validation.seq_len: unset, it is training's)."""
-    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
-    if cp > 1:
-        chunks = 2 * cp if p.context_parallel_load_balancer else cp
-        how = (
-            f"2 x context_parallel_degree = {chunks} chunks (context_parallel_load_balancer headtail: rank i holds "
-            f"chunks i and {chunks - 1} - i)"
-            if p.context_parallel_load_balancer
-            else f"context_parallel_degree = {cp} chunks"
-        )
-        if seq_len % chunks:
-            raise ConfigError(f"{key} ({seq_len}) must split into {how}; make it a multiple of {chunks}")
-    if (seq_len // cp) % tp:  # sequence parallel splits every rank's part of a sequence into tp pieces
-        part = f"each context-parallel rank's {seq_len // cp} tokens" if cp > 1 else f"{key} ({seq_len})"
-        multiple = cp * math.lcm(tp, 2 if cp > 1 and p.context_parallel_load_balancer else 1)
-        raise ConfigError(
-            f"{part} must be divisible by tensor_parallel_degree ({tp}) (sequence parallel splits them); make "
-            f"{key} a multiple of {multiple}"
-        )
-
-
 # ----------------------------------------------------------------------------- the model's shape
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the checks need of a model's shape; models.args.ModelArgs.shape() gives it (this module cannot import
-    models/, which sits above it)."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int  # n_heads when the flavor has plain multi-head attention
-    ffn_hidden_dim: int
-    vocab_size: int
-    attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
-    tied: bool = False  # tie_word_embeddings: the output layer is the embedding (Llama 3.2 1B, 3B)
 
 
 SHAPE_OVERRIDES = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of")
@@ -448,96 +322,6 @@ def check_model_shape(m: Model, shape: ModelShape, tokenizer_words: int, source:
         raise ConfigError(f"{heads}: n_kv_heads must divide n_heads (each key/value head serves a whole group)")
 
 
-# fp32 master weight (4) + fp32 gradient (4) + AdamW's two fp32 moments (8): what training keeps per parameter,
-# before activations (docs/config.md's dry run adds those).
-TRAINING_BYTES_PER_PARAM = 16
-
-
-def _layer_params(shape: ModelShape) -> int:
-    """Parameters of one block: q/k/v/o, SwiGLU, two norms."""
-    head_dim = shape.dim // shape.n_heads
-    attention = 2 * shape.dim * shape.dim + 2 * shape.dim * shape.n_kv_heads * head_dim
-    return attention + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
-
-
-def model_params(shape: ModelShape) -> int:
-    """Parameters of a Llama 3 model of this shape (embedding, per layer q/k/v/o, SwiGLU, two norms; final norm;
-    the output layer unless tied): models.flops.num_params counts the same on a built model."""
-    embedding = shape.vocab_size * shape.dim
-    return embedding * (1 if shape.tied else 2) + shape.n_layers * _layer_params(shape) + shape.dim
-
-
-def stage_params(shape: ModelShape, modules: tuple[str, ...] | list[str]) -> int:
-    """Parameters of the modules of one pipeline stage (tok_embeddings, layers.N, norm, output)."""
-    sizes = {"tok_embeddings": shape.vocab_size * shape.dim, "norm": shape.dim, "output": shape.vocab_size * shape.dim}
-    blocks = sum(m.startswith("layers.") for m in modules)
-    return blocks * _layer_params(shape) + sum(sizes.get(m, 0) for m in modules)
-
-
-def pipeline_rank_params(shape: ModelShape, plan: PipelinePlan, pp_rank: int) -> int:
-    """Parameters of the stages rank `pp_rank` of a pipeline group holds."""
-    return sum(stage_params(shape, plan.stages[i]) for i in plan.stage_ids(pp_rank))
-
-
-def training_bytes(shape: ModelShape, shards: int, plan: PipelinePlan | None = None) -> int:
-    """Bytes one rank holds for weights, gradients and AdamW state with the model split over `shards` ranks (FSDP
-    shard degree x TP degree; replicas each hold their own copy); under pipeline parallelism (`plan`) the stages of
-    the pipeline rank holding the most."""
-    params = model_params(shape)
-    if plan is not None:
-        params = max(pipeline_rank_params(shape, plan, r) for r in range(plan.degree))
-    return params * TRAINING_BYTES_PER_PARAM // max(shards, 1)
-
-
-def check_model_memory(
-    shape: ModelShape,
-    shards: int,
-    tokens: int,
-    tp: int,
-    ranks_sharing: int,
-    capacity: int,
-    what: str,
-    plan: PipelinePlan | None = None,
-) -> None:
-    """What training must hold fits in `capacity` bytes (`what`: that memory, for the message), or no rank starts
-    building: the model's fp32 weights, gradients and AdamW state (16 bytes a parameter, / `shards`: FSDP shard
-    degree x TP degree) and the fp32 logits of one micro-batch of `tokens` tokens with their gradient (8 bytes x
-    vocabulary a token, / `tp`), for each of the `ranks_sharing` ranks on that memory (a CPU node's ranks share its
-    RAM; a GPU is one rank's). A model that cannot fit would allocate for minutes before the OOM killer ends it
-    without a word. A lower bound (other activations come on top); a dry run plans any size.
-
-    Under pipeline parallelism (`plan`; `tokens` then a pipeline micro-batch's) each rank holds its stages'
-    parameters, and the last stage's rank the logits: one rank on a memory is checked as the pipeline rank that
-    needs the most, ranks sharing one (whole pipelines on a CPU node) as the pipeline's mean."""
-    bytes_per = TRAINING_BYTES_PER_PARAM
-    logits = tokens * shape.vocab_size * 8 // max(tp, 1)
-    if plan is None:
-        state = training_bytes(shape, shards)
-        need = (state + logits) * ranks_sharing
-        held = ""
-    else:
-        ranks = range(plan.degree)
-        needs = [
-            pipeline_rank_params(shape, plan, r) * bytes_per // max(shards, 1)
-            + (logits if any("output" in plan.stages[i] for i in plan.stage_ids(r)) else 0)
-            for r in ranks
-        ]
-        worst = max(ranks, key=lambda r: needs[r])
-        state = pipeline_rank_params(shape, plan, worst) * bytes_per // max(shards, 1)
-        need = needs[worst] if ranks_sharing == 1 else sum(needs) * ranks_sharing // plan.degree
-        held = f"; pipeline rank {worst} holds {pipeline_rank_params(shape, plan, worst):,} of them"
-    if need > capacity:
-        gib = 2**30
-        raise ConfigError(
-            f"the model ({model_params(shape):,} parameters: {shape.n_layers} layers, dim {shape.dim}, vocab "
-            f"{shape.vocab_size}{held}) needs at least {need / gib:,.1f} GiB: {state / gib:,.1f} GiB a rank for fp32 "
-            f"weights, gradients and AdamW state ({bytes_per} bytes a parameter / {max(shards, 1)} "
-            f"shards) and {logits / gib:,.1f} GiB of logits, x {ranks_sharing} rank(s), more than {what} "
-            f"({capacity / gib:,.1f} GiB); use a smaller model.* shape, batch or tokenizer, or more ranks "
-            "(--job.dry_run plans any size)"
-        )
-
-
 # ----------------------------------------------------------------------------- the parallel plan
 
 
@@ -561,7 +345,6 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "sequence and does not split a document mask over its ranks yet; use a causal flavor (without "
             "_flex/_varlen) or context_parallel_degree 1"
         )
-    check_pipeline(cfg, shape)
     if shape.attn_type == "varlen" and device_type != "cuda":
         flavor = cfg.model.flavor
         flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"
@@ -598,205 +381,6 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             + " fails in the first forward on CPU (a torch bug, docs/parallelisms.md); use activation_checkpoint"
             ".mode none or selective_ac_option op, or drop --training.compile"
         )
-
-
-def check_memory_budget(cfg: JobConfig, estimate: Mapping[str, int]) -> None:
-    """training.memory_budget_gib against the per-rank estimate (trainer/tools/dry_run.py's memory_estimate: name ->
-    bytes), each rank before anything is allocated."""
-    budget = cfg.training.memory_budget_gib
-    total = sum(estimate.values())
-    if budget is None or total <= budget * 2**30:
-        return
-    gib = 2**30
-    parts = ", ".join(f"{name} {value / gib:.3g}" for name, value in estimate.items())
-    p = cfg.parallelism
-    raise ConfigError(
-        f"training.memory_budget_gib {budget:g}: this rank would need about {total / gib:.3g} GiB ({parts}); "
-        f"raise parallelism.context_parallel_degree ({p.context_parallel_degree}), data_parallel_shard_degree or "
-        f"pipeline_parallel_degree ({p.pipeline_parallel_degree}), checkpoint more activations "
-        f"(activation_checkpoint.mode) or shorten training.seq_len ({cfg.training.seq_len})"
-    )
-
-
-# ----------------------------------------------------------------------------- the pipeline split
-
-PP = "parallelism.pipeline_parallel_"
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """The model cut into pipeline stages (torchtitan's split), and which ranks of a pipeline group run which."""
-
-    stages: tuple[tuple[str, ...], ...]  # each stage's modules (tok_embeddings, layers.N, norm, output), in order
-    degree: int  # ranks in a pipeline group
-    schedule: str  # a PP_SCHEDULES name
-    microbatches: int  # per schedule step: local batch / micro-batch size
-
-    @property
-    def stages_per_rank(self) -> int:
-        return len(self.stages) // self.degree
-
-    def stage_ids(self, pp_rank: int) -> tuple[int, ...]:
-        """The stages rank `pp_rank` of the pipeline group runs: s, s + degree, ... (looped), or r and
-        2 x degree - 1 - r (V: the first and the last stage share rank 0)."""
-        n = len(self.stages)
-        if PP_SCHEDULES[self.schedule] == "v":
-            return (pp_rank, n - 1 - pp_rank)
-        return tuple(range(pp_rank, n, self.degree))
-
-
-def whole_model_modules(n_layers: int) -> list[str]:
-    """The modules a pipeline splits, in the order the model runs them."""
-    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
-
-
-def _auto_stages(n_stages: int, n_layers: int, first_less: int, last_less: int, why: str) -> list[list[str]]:
-    """torchtitan's split (generate_llm_fqn_per_model_part, v0.2.2): the embedding counts as `first_less` blocks and
-    norm + output as `last_less`, the stages share the blocks evenly and the first stages take one more each."""
-    effective = n_layers + first_less + last_less
-    if n_stages > effective:
-        raise ConfigError(
-            f"{why} asks for {n_stages} stages, but the model has {n_layers} blocks (+ {first_less} + {last_less} for "
-            f"the embedding and the output: {PP}first/last_stage_less_layers): at most {effective} stages"
-        )
-    per, extra = divmod(effective, n_stages)
-    for key, less in (("first_stage_less_layers", first_less), ("last_stage_less_layers", last_less)):
-        if less > per:
-            raise ConfigError(
-                f"{PP}{key} ({less}) exceeds the {per} blocks of the smallest of the {n_stages} stages ({why}); "
-                f"lower it to {per} or less"
-            )
-    stages, layer = [], 0
-    for i in range(n_stages):
-        size = per + (i < extra) - (first_less if i == 0 else 0) - (last_less if i == n_stages - 1 else 0)
-        if n_stages == 1:
-            size = n_layers
-        blocks = [f"layers.{j}" for j in range(layer, min(n_layers, layer + size))]
-        layer += len(blocks)
-        head, tail = ["tok_embeddings"] if i == 0 else [], ["norm", "output"] if i == n_stages - 1 else []
-        stages.append(head + blocks + tail)
-    return stages
-
-
-def _split_point_stages(points: list[str], n_layers: int) -> list[list[str]]:
-    """torchtitan v0.1.0's split points: each names the block that begins a stage."""
-    ids = []
-    for point in points:
-        head, _, tail = point.partition(".")
-        if head != "layers" or not tail.isdigit() or not 0 < int(tail) < n_layers:
-            raise ConfigError(
-                f"{PP}split_points: '{point}' is not a block that can begin a stage; name layers.1 .. "
-                f"layers.{n_layers - 1} (the model has {n_layers} blocks)"
-            )
-        ids.append(int(tail))
-    if ids != sorted(set(ids)):
-        raise ConfigError(f"{PP}split_points {','.join(points)}: name each block once, in increasing order")
-    bounds = [0, *ids, n_layers]
-    stages = [[f"layers.{j}" for j in range(a, b)] for a, b in zip(bounds, bounds[1:], strict=False)]
-    stages[0].insert(0, "tok_embeddings")
-    stages[-1] += ["norm", "output"]
-    return stages
-
-
-def _check_model_parts(parts: list[list[str]], n_layers: int) -> list[list[str]]:
-    """module_fqns_per_model_part: every module of the model exactly once, in the order the model runs them."""
-    key = "parallelism.module_fqns_per_model_part"
-    if any(not part for part in parts):
-        raise ConfigError(f"{key}: stage {next(i for i, p in enumerate(parts) if not p)} lists no module")
-    flat, whole = [m for part in parts for m in part], whole_model_modules(n_layers)
-    if flat != whole:
-        wrong = next((f"'{a}' where '{b}' comes" for a, b in zip(flat, whole, strict=False) if a != b), None)
-        wrong = wrong or (f"{len(flat)} modules for {len(whole)}")
-        raise ConfigError(
-            f"{key}: the stages must list tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output once each, "
-            f"in this order (the model has {n_layers} blocks); found {wrong} (on the command line: modules by ',', "
-            "stages by ';', e.g. tok_embeddings,layers.0;layers.1,norm,output)"
-        )
-    return parts
-
-
-def check_microbatches(p: Parallelism, local_batch_size: int, key: str = "training.local_batch_size") -> int:
-    """The micro-batches of one schedule step: local batch / micro-batch size, as the schedule can run them (`key`:
-    the batch size's key, training's or validation's)."""
-    mbs, name, degree = p.pipeline_parallel_microbatch_size, p.pipeline_parallel_schedule, p.pipeline_parallel_degree
-    if local_batch_size % mbs:
-        raise ConfigError(
-            f"{key} ({local_batch_size}) must be a multiple of {PP}microbatch_size ({mbs}): "
-            "the pipeline splits each local batch into micro-batches of that size"
-        )
-    n = local_batch_size // mbs
-    have = f"{key} {local_batch_size} / {PP}microbatch_size {mbs} = {n} micro-batches"
-    if name == "1F1B" and n < degree:  # torch's Schedule1F1B refuses fewer micro-batches than stages
-        raise ConfigError(f"{PP}schedule 1F1B needs at least {degree} micro-batches (one per stage); {have}")
-    rounds = max(1, n // degree)
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
-        raise ConfigError(
-            f"{PP}schedule {name} splits a batch's micro-batches into max(1, micro-batches // degree {degree}) = "
-            f"{rounds} equal rounds (torch's rule): {have}, which {rounds} does not divide; use a multiple of "
-            f"{degree}, or fewer than {2 * degree}"
-        )
-    return n
-
-
-def pipeline_plan(p: Parallelism, local_batch_size: int, n_layers: int) -> PipelinePlan:
-    """The stages (from module_fqns_per_model_part, split_points, layers_per_stage or the schedule's default: one
-    stage per rank, two for looped and V schedules), checked against the degree and the schedule."""
-    degree, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
-    kind = PP_SCHEDULES[name]
-    lps, first, last = (
-        p.pipeline_parallel_layers_per_stage,
-        p.pipeline_parallel_first_stage_less_layers,
-        p.pipeline_parallel_last_stage_less_layers,
-    )
-    given = [
-        key
-        for key, on in (
-            ("parallelism.module_fqns_per_model_part", p.module_fqns_per_model_part is not None),
-            (f"{PP}split_points", bool(p.pipeline_parallel_split_points)),
-            (f"{PP}layers_per_stage", lps is not None),
-        )
-        if on
-    ]
-    if len(given) > 1:
-        raise ConfigError(f"{' and '.join(given)} each say how to split the model; set one of them")
-    if p.module_fqns_per_model_part is not None:
-        why = "parallelism.module_fqns_per_model_part"
-        stages = _check_model_parts(p.module_fqns_per_model_part, n_layers)
-    elif p.pipeline_parallel_split_points:
-        stages, why = _split_point_stages(p.pipeline_parallel_split_points, n_layers), f"{PP}split_points"
-    elif lps is not None:
-        n_stages = math.ceil((n_layers + first + last) / lps)
-        why = f"{PP}layers_per_stage {lps} (ceil(({n_layers} blocks + {first} + {last}) / {lps}) = {n_stages} stages)"
-        stages = _auto_stages(n_stages, n_layers, first, last, why)
-    else:
-        per_rank = 1 if kind == "single" else 2
-        why = f"{PP}degree {degree} with schedule {name} ({per_rank} stage{'s' * (per_rank > 1)} per rank)"
-        stages = _auto_stages(degree * per_rank, n_layers, first, last, why)
-    n = len(stages)
-    if n % degree:
-        raise ConfigError(f"{why}: {n} stages do not divide over {PP}degree {degree} ranks; make it a multiple")
-    per_rank = n // degree
-    wants = {"single": (1, "exactly 1"), "looped": (2, "at least 2"), "v": (2, "exactly 2")}[kind]
-    if per_rank != wants[0] and not (kind == "looped" and per_rank > 2):
-        raise ConfigError(
-            f"{PP}schedule {name} runs {wants[1]} stage{'s' * (wants[0] > 1)} per rank, but {why} gives {n} stages "
-            f"for {degree} ranks ({per_rank} per rank); "
-            + ("use Interleaved1F1B for several per rank" if kind == "single" else "split into more stages")
-        )
-    return PipelinePlan(tuple(tuple(s) for s in stages), degree, name, check_microbatches(p, local_batch_size))
-
-
-def check_pipeline(cfg: JobConfig, shape: ModelShape) -> PipelinePlan | None:
-    """With pipelining on: the split of this shape's blocks into stages, or ConfigError; None when it is off."""
-    p = cfg.parallelism
-    if p.pipeline_parallel_degree == 1:
-        return None
-    if shape.tied:
-        raise ConfigError(
-            f"{PP}degree {p.pipeline_parallel_degree}: this model ties its output layer to the embedding table "
-            "(Llama 3.2), which a pipeline puts on different stages; train it without pipeline parallelism"
-        )
-    return pipeline_plan(p, cfg.training.local_batch_size, shape.n_layers)
 
 
 def check_pipeline_device(p: Parallelism, device_type: str, warmup_sends_to_own_rank: bool) -> None:
@@ -854,6 +438,41 @@ def check_float8_gpus(cfg: Float8, gpus: list[tuple[str, tuple[int, int]]], rocm
                 f"{minimum[0]}.{minimum[1]}+, e.g. H100, L4, MI300X); add --float8.emulate to emulate them, or turn "
                 "float8 off"
             )
+
+
+def _check_rowwise_fused_cast(cfg: JobConfig) -> None:
+    """float8.rowwise_fused_cast: kiln's fused casts of the rowwise recipe (float8/rowwise_fused.py), which run on
+    whole (unsharded) operands only."""
+    f8 = cfg.float8
+    if not f8.rowwise_fused_cast:
+        return
+    if not f8.enable_float8_linear or f8.recipe != "rowwise":
+        now = f"float8.recipe_name is '{f8.recipe}'" if f8.enable_float8_linear else "float8 is off"
+        raise ConfigError(
+            f"float8.rowwise_fused_cast fuses the casts of recipe_name rowwise, but {now}; add "
+            "--float8.enable_float8_linear --float8.recipe_name rowwise, or drop the flag"
+        )
+    tp = cfg.parallelism.tensor_parallel_degree
+    _check(
+        tp == 1,
+        f"float8.rowwise_fused_cast casts whole operands and does not run under tensor parallelism "
+        f"(parallelism.tensor_parallel_degree {tp}); drop the flag (torchao's rowwise casts run under TP) or set "
+        "tensor_parallel_degree 1",
+    )
+
+
+def check_rowwise_fused_cast_machine(cfg: Float8, *, device: str, rocm: bool, triton: bool, interpreter: bool) -> None:
+    """float8.rowwise_fused_cast runs Triton kernels: on an NVIDIA GPU (e4m3fn; ROCm's float8 is e4m3fnuz), or on
+    a CPU through Triton's interpreter (TRITON_INTERPRET=1, as the tests do)."""
+    if not (cfg.enable_float8_linear and cfg.rowwise_fused_cast):
+        return
+    _check(triton, "float8.rowwise_fused_cast needs Triton, which is not installed (pip install triton); drop the flag")
+    _check(not rocm, "float8.rowwise_fused_cast: its kernels write e4m3fn, not ROCm's e4m3fnuz; drop the flag on ROCm")
+    _check(
+        device == "cuda" or interpreter,
+        "float8.rowwise_fused_cast runs Triton kernels: on a CPU only through Triton's interpreter "
+        "(TRITON_INTERPRET=1, slow: for tests); drop the flag or set TRITON_INTERPRET=1",
+    )
 
 
 def check_float8_cpu(cfg: Float8, torch_version: str, cpu_rowwise: bool) -> None:

@@ -2,7 +2,7 @@
 
 The command line accepts `--section.key value`, `--section.key=value`, bare `--section.flag` (true) and
 `--section.no-flag` (false), comma lists. torchtitan's key names are translated first (torchtitan_compat.py).
-The config-only checks (checks.check_config) run before parse_args returns.
+The config-only checks (checks.check_config_alone) run before parse_args returns.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
 from dataclasses import fields
 from typing import Any
 
-from kiln_base.config.checks import check_config
+from kiln_base.config.checks import check_config_alone
 from kiln_base.config.schema import JobConfig
 from kiln_base.config.torchtitan_compat import resolve as resolve_torchtitan_names
 from kiln_base.config.values import lookup, set_value
@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     _apply_cli(cfg, items)
     cfg.job.config_file = config_file or None
     _resolve_paths(cfg)
-    check_config(cfg)
+    check_config_alone(cfg)
     return cfg
 
 

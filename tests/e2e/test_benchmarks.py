@@ -182,3 +182,58 @@ def test_kiln_cuda_step_line_extras_parse() -> None:
     )
     assert run.STEP.search(line)
     assert run.ACTIVE.search(line)["active"] == "41.99" and run.MFU_FP8.search(line)["mfu_fp8"] == "28.77"
+
+
+def test_inductor_knob_sets_and_restores_nothing_else() -> None:
+    """--bench.inductor key=value: dotted keys, booleans and ints converted; an unknown key fails naming it."""
+    import torch._inductor.config as inductor_config
+
+    from kiln_base.internals import set_inductor_option
+
+    with inductor_config.patch({"triton.tile_reductions": True, "max_autotune_gemm_search_space": "DEFAULT"}):
+        set_inductor_option("triton.tile_reductions=false")
+        assert inductor_config.triton.tile_reductions is False
+        set_inductor_option("max_autotune_gemm_search_space=EXHAUSTIVE")
+        assert inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
+    with pytest.raises(AttributeError, match="no_such_option"):
+        set_inductor_option("triton.no_such_option=1")
+
+
+def test_projection_adds_the_measured_parts_of_a_32_layer_step() -> None:
+    """The 8-GPU projection: 8 measured blocks x 4, the rest of the step as measured, the optimizer over the 8B's
+    parameters / 8 GPUs, and the communication FSDP cannot hide; tokens/s per GPU = seq / step."""
+    from benchmarks import projection
+
+    row = {
+        "precision": "tensorwise",
+        "step_ms": 215.8,
+        "blocks_ms": 141.3,
+        "kernels": "kernels: gemm 46.6% (211.21 ms), optimizer 14.7% (66.54 ms), idle 3.7% (16.71 ms) of 453 ms "
+        "over 2 steps",
+    }
+    parts = projection.parts_of(row)
+    assert parts == projection.Parts("tensorwise", 215.8, 141.3, 33.27)
+    measured, full = projection.shape(8), projection.shape(32)
+    assert (measured.params, full.params) == (2_795_573_248, 8_030_261_248)
+    assert (measured.n_layers, full.n_layers, full.embedding_params) == (8, 32, 128256 * 4096)
+    free = projection.project(parts, measured, full, gpus=8, link_gbs=1e12)  # communication costs nothing
+    optimizer = 33.27 * (full.params / 8) / measured.params
+    assert free.exposed_comm_ms == pytest.approx(0, abs=1e-6)
+    assert free.step_ms == pytest.approx(141.3 * 4 + (215.8 - 141.3 - 33.27) + optimizer)
+    assert free.tps == pytest.approx(8192 / (free.step_ms / 1e3))
+    slow = projection.project(parts, measured, full, gpus=8, link_gbs=350.0)
+    assert 5 < slow.exposed_comm_ms < 30 and slow.block_comm_ms < slow.blocks_ms / 32  # overlappable per block
+    fp8 = projection.project(parts, measured, full, gpus=8, link_gbs=350.0, fp8_allgather=True)
+    assert fp8.block_comm_ms < slow.block_comm_ms
+    assert projection.parts_of({**row, "kernels": None}) is None  # no profile, no optimizer time: no projection
+
+
+def test_optimizer_benchmark_times_each_variant_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import optimizer_step
+
+    assert optimizer_step.step_bytes(10, 4) == 10 * 28 and optimizer_step.step_bytes(10, 2) == 10 * 20
+    assert optimizer_step.main(["--flavor", "debugmodel", "--steps", "1", "--variants", "fused,foreach"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| fused |") or line.startswith("| foreach |")]
+    assert len(rows) == 2 and all("failed" not in r for r in rows)
+    assert float(rows[0].split("|")[2]) > 0

@@ -12,7 +12,7 @@ from kiln_base.config import (
     FLAVORS,
     ModelShape,
     Validation,
-    check_config,
+    check_config_alone,
     check_parallel_plan,
     check_world,
     parse_args,
@@ -69,6 +69,6 @@ def test_validation_dataset_mistakes_name_the_validation_keys(tmp_path: Path) ->
     parse_args(["--validation.dataset_path", missing])  # validation off: the key is not read
     assert Validation().dataset == "kiln_corpus_validation"
     cfg = parse_args(["--validation.enable", "--validation.steps", "-1"])
-    check_config(cfg)
+    check_config_alone(cfg)
     with pytest.raises(ConfigError, match=r"validation.steps must be -1 or >= 1 \(-1 = the whole validation set\)"):
         parse_args(["--validation.steps", "0"])

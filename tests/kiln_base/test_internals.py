@@ -373,6 +373,10 @@ def test_inductor_flags() -> None:
         internals.enable_emulate_precision_casts()
         assert internals.emulate_precision_casts_enabled() is True
         assert inductor_config._micro_pipeline_tp is False  # the key exists (patch would have raised)
+    with inductor_config.patch({"triton.tile_reductions": False, "triton.prefer_nd_tiling": False}):
+        assert internals.tiled_reductions_enabled() is False
+        internals.enable_tiled_reductions()
+        assert internals.tiled_reductions_enabled() is True
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     assert "group_name" in inspect.signature(enable_symm_mem_for_group).parameters

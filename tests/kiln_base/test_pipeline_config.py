@@ -244,8 +244,7 @@ def test_v_schedule_on_cpu_needs_a_torch_that_does_not_send_to_its_own_rank() ->
 def test_memory_check_counts_each_pipeline_ranks_stages() -> None:
     """Under a pipeline each rank holds its stages' training state (and the last stage's rank the logits of one
     micro-batch): a model one rank cannot hold fits over a pipeline, and the refusal names the rank needing most."""
-    from kiln_base.config import TRAINING_BYTES_PER_PARAM, check_model_memory, model_params
-    from kiln_base.config.checks import pipeline_rank_params
+    from kiln_base.config import TRAINING_BYTES_PER_PARAM, check_model_memory, model_params, pipeline_rank_params
 
     shape = ModelShape(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, ffn_hidden_dim=768, vocab_size=2256)
     plan = pipeline_plan(Parallelism(pipeline_parallel_degree=2), 4, shape.n_layers)

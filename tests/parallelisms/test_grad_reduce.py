@@ -174,15 +174,16 @@ def test_collectives_carry_the_stated_dtype(layout: str, errors: dict[str, Any])
     bfloat16; bfloat16_wire an all-to-all of bfloat16 instead of the reduce-scatter, the HSDP and TP all-reduces in
     float32."""
     e = {mode: errors[layout][mode]["collectives"] for mode in MODES}
-    shard = 2
+    groups = 3
     replicate = 2 if layout == "hsdp2x2" else 0
     tp_norms = 3 if layout == "fsdp2xtp2" else 0
-    # 2 FSDP groups (the block, the root) each reduce once; the TP norm weights are all-reduced one by one.
-    assert e["float32"] == _expected(shard, replicate, tp_norms, "float32", "float32"), e["float32"]
-    assert e["bfloat16"] == _expected(shard, replicate, tp_norms, "bfloat16", "bfloat16"), e["bfloat16"]
-    wire = _expected(shard, replicate, tp_norms, "float32", "float32")
+    # 3 FSDP groups with parameters (the embedding, the block, the final norm with the output layer; the root holds
+    # none) each reduce once; the TP norm weights are all-reduced one by one.
+    assert e["float32"] == _expected(groups, replicate, tp_norms, "float32", "float32"), e["float32"]
+    assert e["bfloat16"] == _expected(groups, replicate, tp_norms, "bfloat16", "bfloat16"), e["bfloat16"]
+    wire = _expected(groups, replicate, tp_norms, "float32", "float32")
     del wire["_reduce_scatter_base_", "float32"]
-    wire["alltoall_base_", "bfloat16"] = shard
+    wire["alltoall_base_", "bfloat16"] = groups
     assert e["bfloat16_wire"] == wire, e["bfloat16_wire"]
 
 

@@ -553,6 +553,30 @@ def test_rowwise_compile_turns_on_emulate_precision_casts(recipe: str, compile: 
         assert emulate_precision_casts_enabled() is expected
 
 
+@pytest.mark.parametrize(
+    ("float8", "compile", "expected"),
+    [
+        (["--float8.recipe_name", "tensorwise"], True, True),
+        (["--float8.recipe_name", "rowwise"], True, True),
+        ([], True, False),
+        (["--float8.recipe_name", "tensorwise"], False, False),
+    ],
+)
+def test_float8_compile_turns_on_tiled_reductions(float8: list[str], compile: bool, expected: bool) -> None:
+    """Float8 + compile tiles inductor's reductions in two dimensions (the transposed float8 copy fused into the
+    backward's norm kernel is written coalesced; docs/performance.md); bf16 or eager leave inductor alone."""
+    import torch._inductor.config as inductor_config
+
+    from kiln_base.config import parse_args
+    from kiln_base.internals import tiled_reductions_enabled
+    from trainer.tools.dry_run import dry_run
+
+    argv = tiny_run_args("--job.dry_run", *(["--float8.enable_float8_linear", *float8] if float8 else []))
+    with inductor_config.patch({"triton.tile_reductions": False, "triton.prefer_nd_tiling": False}):
+        dry_run(parse_args(argv + (["--training.compile"] if compile else [])))
+        assert tiled_reductions_enabled() is expected
+
+
 def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP's MixedPrecisionPolicy takes training.mixed_precision_param through resolve_mixed_precision: `auto` on a
     gloo (CPU) mesh is float32, an explicit bfloat16 is kept. Two fake ranks: only the policy handed over matters."""
@@ -577,7 +601,8 @@ def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyP
                 model = Transformer(ARGS)
             training = Training(mixed_precision_param=param)
             parallelize.parallelize_llama(model, dims, training, Parallelism(), ActivationCheckpoint("none"), Float8())
-            assert policies == [want] * (ARGS.n_layers + 1), (param, policies)
+            # the embedding, each block, the final norm with the output layer, the root
+            assert policies == [want] * (ARGS.n_layers + 3), (param, policies)
     finally:
         dist.destroy_process_group()
 

@@ -10,12 +10,21 @@ from typing import Any
 import pytest
 
 import train
-from kiln_base.config import ActivationCheckpoint, Training, parse_args
+from kiln_base.config import (
+    ActivationCheckpoint,
+    Degrees,
+    JobConfig,
+    RunPlan,
+    SequenceSplit,
+    Training,
+    memory_estimate,
+    parse_args,
+)
 from models import LLAMA3_FLAVORS
-from parallelisms.parallel_dims import ParallelDims
 from tests.helpers.common import DEBUG_CONFIG, ROOT
 from tests.helpers.sac import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
-from trainer.tools.dry_run import dry_run, memory_estimate
+from trainer.build import local_params
+from trainer.tools.dry_run import dry_run
 from trainer.tools.saved_activations import measure_saved_activations
 
 
@@ -60,7 +69,9 @@ def test_activation_estimate_matches_report(save_list: frozenset | None) -> None
     measured = measure_saved_activations(model, loss_fn(model, batch()))
     ac = ActivationCheckpoint(mode="none") if save_list is None else ActivationCheckpoint("selective", "op")
     args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256, n_layers=LAYERS)
-    est = memory_estimate(model, args, Training(local_batch_size=2, seq_len=64), ac, ParallelDims(1, 1, 1, 1))
+    cfg = JobConfig(training=Training(local_batch_size=2, seq_len=64), activation_checkpoint=ac)
+    plan = RunPlan(Degrees(1, 1, 1, 1, 1), SequenceSplit(1, False), 1, None, args.shape())
+    est = memory_estimate(cfg, plan, local_params(model), "cuda")  # bf16 compute, as the measured autocast
     activations = measured.total_bytes - measured.bytes_of("aten._to_copy")
     assert abs(est["activations (one micro-batch)"] / activations - 1) < 0.2, (est, activations)
     n = sum(p.numel() for p in model.parameters())

@@ -18,7 +18,6 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,19 +28,17 @@ from kiln_base.config import (
     Float8,
     JobConfig,
     Parallelism,
-    PipelinePlan,
-    Training,
-    check_pipeline,
-    check_sequence_split,
+    RunPlan,
+    memory_estimate,
+    plan_run,
     resolve_mixed_precision,
     training_bytes,
 )
 from kiln_base.internals import init_fake_process_group, unwrapped_fqn
-from models.args import ModelArgs, ffn_hidden_dim
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import StagedModel
-from trainer.build import build_model, flops_line, model_args
+from trainer.build import build_model, flops_line, local_params, model_args
 from trainer.components.initial_load import open_source
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -97,104 +94,6 @@ def _group(names_to_value: dict[str, str]) -> list[tuple[str, str, int]]:
     return [(pattern, value, n) for (pattern, value), n in groups.items()]
 
 
-# ----------------------------------------------------------------------------- memory estimate
-
-
-def _activation_elems_per_token_layer(args: ModelArgs, ac: ActivationCheckpoint) -> float:
-    """Elements kept for backward per token per block (bf16, flash SDPA, eager), before TP/SP division.
-
-    No AC: norm inputs 2*dim, norm outputs feeding the Linears 2*dim, q/k/v 3 projections (dim + 2*kv),
-    RoPE'd q/k (dim + kv) and SDPA out (dim), wo input shared with it, FFN w1/w3 outputs, silu output and
-    the product (4*hidden): ~8*dim + 3*kv + 4*hidden. Full AC keeps only the block input (dim).
-    Per-op SAC keeps the block input plus every second mm output (wq, wv, w1, w2) and SDPA out.
-    Selective every N blocks: 1 block in N is fully recomputed.
-    """
-    kv = args.dim // args.n_heads * (args.n_kv_heads or args.n_heads)
-    hidden = ffn_hidden_dim(args)
-    full_block = 8 * args.dim + 3 * kv + 4 * hidden
-    if ac.mode == "none":
-        return full_block
-    if ac.mode == "full":
-        return args.dim
-    if ac.selective_ac_option == "op":
-        return args.dim + (args.dim + kv + hidden + args.dim) + args.dim
-    every = int(ac.selective_ac_option)
-    return (args.dim + (every - 1) * full_block) / every
-
-
-def memory_estimate(
-    model: nn.Module,
-    args: ModelArgs,
-    training: Training,
-    ac: ActivationCheckpoint,
-    parallel_dims: ParallelDims,
-    rotate_method: str = "allgather",
-    stage: StageShare | None = None,
-) -> dict[str, int]:
-    """Bytes per device: fp32 master params, fp32 grads, AdamW m+v (fp32), activations of one micro-batch, and
-    with context parallelism the key/value buffers of one block's attention.
-
-    Params/grads/optimizer use each parameter's local shard (DTensor shard shape after TP and FSDP).
-    Activations: tokens = local_batch_size x seq_len / cp per device; per block see
-    `_activation_elems_per_token_layer` x 2 bytes (bf16), divided by tp (TP shards heads/hidden, sequence
-    parallel shards the rest); plus the logits kept for the loss: bf16 logits + fp32 log-softmax
-    (6 bytes x vocab per token, / tp with loss parallel). Context parallel attention briefly holds other ranks'
-    keys and values (bf16) and, in backward, float32 gradients for them: all cp ranks' with `allgather`, two
-    ranks' with `alltoall` (the one in use and the one arriving). Not included: bf16 copies of the weights held
-    for backward (FSDP's unsharded params, autocast's casts), other transient buffers and allocator
-    fragmentation: budget ~10-20% on top. On the debug model (seq 64, batch 2, bf16 autocast) the estimate
-    is within 10% of the saved-activation report (no AC: 10.8 vs 10.1 MB; per-op SAC: 4.9 vs 5.0 MB).
-
-    Under pipeline parallelism (`stage`: a rank's share) `model` holds that rank's stages: its blocks and, on the
-    last stage's rank, the logits, for each micro-batch in flight (StageShare.in_flight).
-    """
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    cp, tp = parallel_dims.cp, parallel_dims.tp
-    per_layer = _activation_elems_per_token_layer(args, ac) * 2 / tp
-    logits = 6 * args.vocab_size / tp
-    if stage is None:
-        tokens, blocks, what = training.local_batch_size * training.seq_len // cp, args.n_layers, "one micro-batch"
-        running = tokens  # the micro-batch a block's attention runs on
-    else:
-        running = stage.microbatch_size * training.seq_len // cp
-        tokens, blocks = running * stage.in_flight, stage.blocks
-        logits = logits if stage.has_output else 0
-        what = f"{stage.in_flight} pipeline micro-batch{'es' * (stage.in_flight > 1)} in flight"
-    estimate = {
-        "params (fp32)": 4 * local,
-        "grads (fp32)": 4 * local,
-        "optimizer (AdamW m+v fp32)": 8 * local,
-        f"activations ({what})": int(tokens * (blocks * per_layer + logits)),
-    }
-    if cp > 1:
-        kv = 2 * args.dim // args.n_heads * (args.n_kv_heads or args.n_heads) // tp  # k and v elements per token
-        held = cp if rotate_method == "allgather" else 2  # ranks' keys/values held at once
-        estimate["CP key/value buffers (one block)"] = running * held * kv * (2 + 4)
-    return estimate
-
-
-@dataclass(frozen=True)
-class StageShare:
-    """What one pipeline rank holds, for the memory estimate: its blocks, whether it computes the logits, and the
-    micro-batches whose activations it keeps at once: every micro-batch of the step under GPipe (all forwards
-    first) and, as an upper bound, under the looped and V schedules; at most degree - rank under 1F1B (the first
-    rank keeps the most)."""
-
-    blocks: int
-    has_output: bool
-    microbatch_size: int
-    in_flight: int
-
-
-def stage_share(plan: PipelinePlan, pp_rank: int, microbatch_size: int) -> StageShare:
-    ids = plan.stage_ids(pp_rank)
-    blocks = sum(m.startswith("layers.") for i in ids for m in plan.stages[i])
-    in_flight = plan.microbatches
-    if plan.schedule == "1F1B":
-        in_flight = min(plan.microbatches, plan.degree - pp_rank)
-    return StageShare(blocks, any("output" in plan.stages[i] for i in ids), microbatch_size, in_flight)
-
-
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -210,24 +109,17 @@ def dry_run(cfg: JobConfig) -> str:
     world = simulated_world_size(p)
     _init_fake_world(world)
     try:
-        check_sequence_split(t.seq_len, p)
-        dims = ParallelDims(
-            p.data_parallel_replicate_degree,
-            max(p.data_parallel_shard_degree, 1),
-            p.tensor_parallel_degree,
-            world,
-            cp=p.context_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-        )
-        dims.build_mesh("cpu")
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
         converter = build_float8_converter(f8, p.tensor_parallel_degree)
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
         args = model_args(cfg.model, t.seq_len, vocab, source)
-        pipeline = check_pipeline(cfg, args.shape())
+        run = plan_run(cfg, world, args.shape())  # the ranks' plan, for the simulated world
+        dims = ParallelDims.of(run.degrees)
+        dims.build_mesh("cpu")
+        pipeline = run.pipeline
         every_stage = None if pipeline is None else tuple(range(len(pipeline.stages)))  # plan them all
-        built = build_model(cfg, args, dims, converter, stage_ids=every_stage)
+        built = build_model(cfg, args, dims, converter, pipeline=pipeline, stage_ids=every_stage)
         model, plan = built.model, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
         n_params = built.n_params
@@ -250,15 +142,15 @@ def dry_run(cfg: JobConfig) -> str:
             f"mixed precision: {resolve_mixed_precision(t.mixed_precision_param, 'cuda')} compute on a GPU, "
             f"{resolve_mixed_precision(t.mixed_precision_param, 'cpu')} on a CPU (training.mixed_precision_param = "
             f"{t.mixed_precision_param}); master weights float32",
-            reduction_line(t, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, "cuda", dims.pp),
+            reduction_line(t, dims.dp_replicate, run.degrees.fsdp_shards, dims.tp, "cuda", dims.pp),
         ]
         if dims.tp_enabled:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
             lines += [f"  {pat:<34} x{n:<4} {v}" for pat, v, n in sorted(_group(_tp_styles(model, plan)), key=_order)]
-        lines += _cp_lines(dims, p, t.seq_len)
+        lines += _cp_lines(run, p, t.seq_len)
         lines += _ac_lines(ac)
         if pipeline is None:
-            mem = memory_estimate(model, args, t, ac, dims, p.context_parallel_rotate_method)
+            mem = memory_estimate(cfg, run, local_params(model), "cuda")
             per_rank = f" / cp {dims.cp} = {t.seq_len // dims.cp} tokens" if dims.cp_enabled else ""
             lines.append(f"memory per device (estimate; local batch {t.local_batch_size} x seq {t.seq_len}{per_rank}):")
             unit, size = ("GiB", 2**30) if sum(mem.values()) >= 2**30 else ("MiB", 2**20)  # small models: MiB
@@ -270,8 +162,8 @@ def dry_run(cfg: JobConfig) -> str:
                     f"  training.memory_budget_gib {t.memory_budget_gib:g}: {'fits' if fits else 'DOES NOT FIT'}"
                 )
         else:
-            lines += _pipeline_lines(built.parts, pipeline, args, t, ac, dims, p)
-        state = training_bytes(args.shape(), dims.dp_shard * dims.cp * dims.tp, pipeline)
+            lines += _pipeline_lines(cfg, run, built.parts)
+        state = training_bytes(args.shape(), run.degrees.param_shards, pipeline)
         whose = "a rank" if pipeline is None else "on the pipeline rank holding the most"
         lines.append(
             f"  start-up check (not applied to a dry run): {state / 2**30:,.2f} GiB of weights, gradients and AdamW "
@@ -283,37 +175,29 @@ def dry_run(cfg: JobConfig) -> str:
         dist.destroy_process_group()
 
 
-def _pipeline_lines(
-    parts: list[nn.Module],
-    pipeline: PipelinePlan,
-    args: ModelArgs,
-    t: Training,
-    ac: ActivationCheckpoint,
-    dims: ParallelDims,
-    p: Parallelism,
-) -> list[str]:
+def _pipeline_lines(cfg: JobConfig, run: RunPlan, parts: list[nn.Module]) -> list[str]:
     """Each stage's modules and parameters, then each pipeline rank's stages and memory per device (under CP with
-    the key/value buffers of p's rotate method, as a run counts them)."""
-    n, microbatch_size = len(pipeline.stages), p.pipeline_parallel_microbatch_size
+    the key/value buffers of the configured rotate method, as a run counts them)."""
+    pipeline, t = run.pipeline, cfg.training
+    assert pipeline is not None
+    n, microbatch_size = len(pipeline.stages), cfg.parallelism.pipeline_parallel_microbatch_size
     lines = [
         f"pipeline: {pipeline.schedule}, {n} stages over pp {pipeline.degree} ({pipeline.stages_per_rank} per rank), "
         f"{pipeline.microbatches} micro-batches of {microbatch_size} per local batch of {t.local_batch_size}",
     ]
     for i, (modules, part) in enumerate(zip(pipeline.stages, parts, strict=True)):
         count = sum(p.numel() for p in part.parameters())  # the whole tensors' (a DTensor's numel is global)
-        lines.append(f"  stage {i:<3} rank {_rank_of(pipeline, i):<3} {count:>16,} params  {_modules(list(modules))}")
+        lines.append(f"  stage {i:<3} rank {pipeline.rank_of(i):<3} {count:>16,} params  {_modules(list(modules))}")
     lines.append(f"memory per device by pipeline rank (estimate; seq {t.seq_len}, each pp rank's TP/FSDP share):")
     totals = []
     for r in range(pipeline.degree):
-        ids = pipeline.stage_ids(r)
-        share = stage_share(pipeline, r, microbatch_size)
-        rotate = p.context_parallel_rotate_method
-        mem = memory_estimate(StagedModel([parts[i] for i in ids]), args, t, ac, dims, rotate, stage=share)
+        ids, in_flight = pipeline.stage_ids(r), pipeline.in_flight(r)
+        mem = memory_estimate(cfg, run, local_params(StagedModel([parts[i] for i in ids])), "cuda", r)
         totals.append(sum(mem.values()))
         values = ", ".join(f"{k.split(' (')[0]} {v / 2**30:.2f}" for k, v in mem.items())
         lines.append(
             f"  pp rank {r:<3} stages {','.join(map(str, ids)):<8} {totals[-1] / 2**30:9.2f} GiB "
-            f"({values} GiB; {share.in_flight} micro-batch{'es' * (share.in_flight > 1)} in flight)"
+            f"({values} GiB; {in_flight} micro-batch{'es' * (in_flight > 1)} in flight)"
         )
     if t.memory_budget_gib is not None:  # each rank checks its own estimate at start (Trainer: check_budget)
         worst = max(range(pipeline.degree), key=lambda r: totals[r])
@@ -323,10 +207,6 @@ def _pipeline_lines(
             f"(pipeline rank {worst} needs the most, {totals[worst] / 2**30:.2f} GiB)"
         )
     return lines
-
-
-def _rank_of(pipeline: PipelinePlan, stage: int) -> int:
-    return next(r for r in range(pipeline.degree) if stage in pipeline.stage_ids(r))
 
 
 def _modules(modules: list[str]) -> str:
@@ -383,20 +263,19 @@ def _tp_styles(model: nn.Module, plan: Mapping[str, object] | None) -> dict[str,
     return styles
 
 
-def _cp_lines(dims: ParallelDims, p: Parallelism, seq_len: int) -> list[str]:
-    if not dims.cp_enabled:
+def _cp_lines(run: RunPlan, p: Parallelism, seq_len: int) -> list[str]:
+    cp, balanced, n_chunks = run.sequence.cp, run.sequence.load_balance, run.sequence.n_chunks
+    if cp == 1:
         return []
-    balanced = p.context_parallel_load_balancer == "headtail"
-    n_chunks = 2 * dims.cp if balanced else dims.cp
     split = (
         f"{n_chunks} chunks of {seq_len // n_chunks}, rank i holds chunks i and {n_chunks - 1} - i (headtail)"
         if balanced
         else f"{n_chunks} contiguous chunks of {seq_len // n_chunks}, one per rank"
     )
     return [
-        f"context parallel (cp={dims.cp}, rotate {p.context_parallel_rotate_method}): each rank holds "
-        f"{seq_len // dims.cp} of every sequence's {seq_len} tokens: {split}; FSDP shards over dp_shard x cp "
-        f"= {dims.dp_shard * dims.cp} ranks",
+        f"context parallel (cp={cp}, rotate {p.context_parallel_rotate_method}): each rank holds "
+        f"{seq_len // cp} of every sequence's {seq_len} tokens: {split}; FSDP shards over dp_shard x cp "
+        f"= {run.degrees.fsdp_shards} ranks",
     ]
 
 
