@@ -7,20 +7,20 @@ powers of two; `torch._scaled_mm` wants a row-major left and a column-major righ
     grad_input   gx = G @ W     G scaled per row (along N),   W scaled per column (along N)
     grad_weight  gW = G^T @ x   G scaled per column (along M), x scaled per column (along M)
 
-torchao casts each operand separately, six casts of three bf16 tensors. Here (float8/rowwise_kernels.py):
+torchao casts each operand separately, six casts of three tensors. Here (float8/rowwise_kernels.py: `amax` reads
+a tensor once for its row and column amaxes; the cast kernels read it once more and write one or both casts):
 
-    forward   row_cast(x) -> x_e4m3, x's row scales, x's column amax
-              row_cast(W) -> W_e4m3, W's row scales, W's column amax
-    backward  row_cast(G) -> G_e4m3, G's row scales, G's column amax
-              col_cast_t(G, G's column amax) -> G^T_e4m3 (contiguous: grad_weight's row-major left operand)
-              col_cast_t(W, W's column amax) -> W^T_e4m3 (its transpose is grad_input's column-major right operand)
-              col_cast_t(x, x's column amax) -> x^T_e4m3 (likewise for grad_weight)
+    forward   amax(x), cast_rows(x)          x_e4m3 with x's row scales; x's column amax kept
+              amax(W), cast_rows(W)          W_e4m3 with W's row scales; W's column amax kept
+    backward  amax(G), cast_both(G)          G_e4m3 and G^T_e4m3 (contiguous: grad_weight's row-major left operand)
+              cast_cols_t(W, W's col amax)   W^T_e4m3 (its transpose is grad_input's column-major right operand)
+              cast_cols_t(x, x's col amax)   x^T_e4m3 (likewise for grad_weight)
 
-The column amaxes come for free with the forward's row pass, so the backward's column casts are one read each.
-Saved for backward: x and W (as torchao saves them) and the two column amaxes (K + K floats): no float8 copy of W
+The column amaxes come with the forward's amax pass, so the backward's column casts of W and x are one read each.
+Saved for backward: x and W (as torchao saves them) and the two column amaxes (K + N floats): no float8 copy of W
 stays alive, so FSDP frees the unsharded weight after forward as before. Under per-op SAC the casts are not in the
-save list (their outputs are as large as x or W): the recompute re-runs `row_cast` where torchao re-runs its
-forward casts.
+save list (their outputs are as large as x or W): the recompute re-runs `amax` and `cast_rows` where torchao re-runs
+its forward casts.
 
 The GEMMs are torchao's own: the e4m3 operands are wrapped in Float8TrainingTensors with the Linear's
 LinearMMConfig and roles, so `torch.mm` dispatches to the same `torch._scaled_mm` calls (per-GEMM fast
@@ -53,11 +53,14 @@ class FusedRowwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cfg: LinearMMConfig) -> torch.Tensor:
-        from float8.rowwise_kernels import row_cast
+        from float8.rowwise_kernels import amax, cast_rows
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        x_e4m3, x_scale, x_col_amax = row_cast(x2)
-        w_e4m3, w_scale, w_col_amax = row_cast(weight.contiguous())
+        weight = weight.contiguous()
+        x_row_amax, x_col_amax = amax(x2)
+        w_row_amax, w_col_amax = amax(weight)
+        x_e4m3, x_scale = cast_rows(x2, x_row_amax)
+        w_e4m3, w_scale = cast_rows(weight, w_row_amax)
         ctx.save_for_backward(x2, weight, x_col_amax, w_col_amax)
         ctx.cfg, ctx.x_shape = cfg, x.shape
         out = torch.mm(
@@ -68,15 +71,14 @@ class FusedRowwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        from float8.rowwise_kernels import col_cast_t, row_cast
+        from float8.rowwise_kernels import amax, cast_both, cast_cols_t
 
         x2, weight, x_col_amax, w_col_amax = ctx.saved_tensors
         cfg = ctx.cfg
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
-        g_e4m3, g_scale, g_col_amax = row_cast(g)
-        gt_e4m3, gt_scale = col_cast_t(g, g_col_amax)
-        wt_e4m3, wt_scale = col_cast_t(weight.contiguous(), w_col_amax)
-        xt_e4m3, xt_scale = col_cast_t(x2, x_col_amax)
+        g_e4m3, g_scale, gt_e4m3, gt_scale = cast_both(g, *amax(g))
+        wt_e4m3, wt_scale = cast_cols_t(weight, w_col_amax)
+        xt_e4m3, xt_scale = cast_cols_t(x2, x_col_amax)
         grad_input = torch.mm(
             _f8(g_e4m3, g_scale, g, GemmInputRole.GRAD_OUTPUT, cfg),
             _f8(wt_e4m3.t(), wt_scale.t(), weight, GemmInputRole.WEIGHT, cfg),

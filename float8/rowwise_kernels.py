@@ -5,19 +5,19 @@ operand of a Linear twice: x and W along the contraction dim K for the output GE
 W and x along the other dim for the backward GEMMs, the latter as a transposed copy because `torch._scaled_mm`
 wants its left operand row-major and its right operand column-major. Each cast is an amax pass, a scale kernel and
 a cast pass; Inductor fuses some of them, but one step still spends 56 ms in casts on one H200
-(docs/performance.md). Two kernels cover all of it:
+(docs/performance.md). Two kernels cover all of it, both over a grid of tiles (all SMs busy for any shape):
 
-- `row_cast(T)` for a bf16 T [R, C]: one program per block of rows loops over the columns twice. The first loop
-  takes the row amax and, with an atomic max per column, the column amax of the whole tensor; the second loop
-  (from L2 when the row block still sits there) writes T scaled by its row's power-of-two scale in e4m3, row-major.
-  Outputs: the e4m3 rows, the row scales [R, 1], and the column amax (kept for `col_cast_t`).
-- `col_cast_t(T, col_amax)`: tiles of T, each scaled by its column's scale and written transposed: T^T [C, R] in
-  e4m3, contiguous (the row-major left operand of grad_weight's GEMM, or, transposed back, the column-major right
-  operand of grad_input's), with the column scales [C, 1].
+- `amax(T)` for T [R, C] (bf16, or a float32 weight): each tile's row and column maxima of |T|, merged into the
+  whole tensor's with atomic maxima (R + C int32s). One read of T.
+- the cast kernel, given the amaxes: each tile read once, scaled by its row's power-of-two scale and written
+  row-major in e4m3 (`cast_rows`), and/or scaled by its column's scale and written transposed, T^T [C, R]
+  contiguous (`cast_cols_t`; `cast_both` does both from the same read). The first tile of each row (column)
+  writes the scales, [R, 1] ([C, 1]).
 
-The Linear (float8/rowwise_fused.py) calls `row_cast` on x and W in forward and on G in backward, and `col_cast_t`
-on G, W and x in backward, with the column amax that the forward's `row_cast` already found: each bf16 tensor is
-read twice (once more when its row block fell out of L2), where torchao reads each about four times.
+The Linear (float8/rowwise_fused.py): forward amax + cast_rows of x and of W; backward amax + cast_both of G, and
+cast_cols_t of W and of x with the column amax their forward amax pass already found. Traffic per element: x and W
+read twice in forward and once in backward, G twice; each e4m3 copy written once. A first version (a row pass that
+looped over whole rows, one program per 16 rows) ran at 160-820 GB/s on an H200, too few programs for small R.
 
 Bit-exact with torchao (float8_utils.amax_to_scale, to_fp8_saturated) for bf16 and float32 operands (a float32
 weight under autocast), by doing what torchao does, step by step:
@@ -57,10 +57,21 @@ _MAX = triton_max_combine()
 FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
 EPS = tl.constexpr(1e-12)  # torchao.float8.float8_utils.EPS
 
-# Tile sizes: (row_cast's rows per program, its columns per loop step, col_cast_t's square tile). The interpreter
-# runs every program in Python, so it gets fewer, larger ones (the tests' shapes still leave partial tiles).
-GPU_BLOCKS = (16, 256, 64)
-INTERPRETER_BLOCKS = (64, 256, 128)
+# Tile sizes (rows, columns) per kernel. The interpreter runs every program in Python, so it gets fewer, larger
+# tiles (the tests' shapes still leave partial ones). The transposed store wants square tiles.
+GPU_BLOCKS = {"amax": (64, 128), "rows": (32, 256), "cols": (64, 64), "both": (64, 64)}
+INTERPRETER_BLOCKS = {"amax": (128, 128), "rows": (128, 128), "cols": (128, 128), "both": (128, 128)}
+
+
+@triton.jit
+def _amax(a, AXIS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """max along AXIS: tl.max on a GPU; in the interpreter tl.reduce with tl.max's combine function (see _MAX).
+    (Inductor copies a kernel's jit dependencies into its own module under their own names, so the GPU branch must
+    not name _MAX: it failed to build as `NameError: _MAX is not defined` on torch 2.11.)"""
+    if INTERPRETED:
+        return tl.reduce(a, AXIS, _MAX)
+    else:
+        return tl.max(a, axis=AXIS)
 
 
 @triton.jit
@@ -98,56 +109,59 @@ def _to_e4m3(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _row_cast_kernel(
+def _amax_kernel(
+    t_ptr, row_amax_ptr, col_amax_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    # One tile's row and column maxima, merged into the global ones. Amaxes are >= 0, so their float32 bit
+    # patterns order as int32s do: an integer atomic max is a float max.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok, col_ok = rows < R, cols < C
+    t = tl.load(t_ptr + rows[:, None] * C + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    a = tl.abs(t.to(tl.float32))
+    row_max = _amax(a, 1, INTERPRETED).to(tl.int32, bitcast=True)
+    col_max = _amax(a, 0, INTERPRETED).to(tl.int32, bitcast=True)
+    tl.atomic_max(row_amax_ptr + rows, row_max, mask=row_ok, sem="relaxed")  # ordered by the kernel's end
+    tl.atomic_max(col_amax_ptr + cols, col_max, mask=col_ok, sem="relaxed")
+
+
+@triton.jit
+def _cast_kernel(
     t_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
     q_ptr,
     row_scale_ptr,
-    col_amax_ptr,
+    qt_ptr,
+    col_scale_ptr,
     R,
     C,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    # One tile, read once: with ROWS scaled per row and stored row-major, with COLS scaled per column and stored
+    # transposed (T^T contiguous). The first tile of each row (column) also writes the row's (column's) scale.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    # Loop 1: the row amax, and each column's amax over this row block merged into the global one. Amaxes are
-    # >= 0, so their float32 bit patterns order as int32s do: an integer atomic max is a float max.
-    amax = tl.full([BLOCK_R], 0.0, tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        mask = row_ok[:, None] & col_ok[None, :]
-        t = tl.load(t_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        a = tl.abs(t.to(tl.float32))
-        amax = tl.maximum(amax, tl.reduce(a, 1, _MAX))
-        col_max = tl.reduce(a, 0, _MAX).to(tl.int32, bitcast=True)
-        tl.atomic_max(col_amax_ptr + cols, col_max, mask=col_ok, sem="relaxed")  # ordered by the kernel's end
-    scale = _pow2_scale(amax, INTERPRETED)
-    tl.store(row_scale_ptr + rows, scale, mask=row_ok)
-    # Loop 2: the cast, row-major.
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_ok[:, None] & (cols < C)[None, :]
-        offsets = rows[:, None] * C + cols[None, :]
-        t = tl.load(t_ptr + offsets, mask=mask, other=0.0)
-        tl.store(q_ptr + offsets, _to_e4m3(t.to(tl.float32) * scale[:, None], INTERPRETED), mask=mask)
-
-
-@triton.jit
-def _col_cast_t_kernel(
-    t_ptr, col_amax_ptr, qt_ptr, col_scale_ptr, R, C, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok, col_ok = rows < R, cols < C
-    amax = tl.load(col_amax_ptr + cols, mask=col_ok, other=0).to(tl.float32, bitcast=True)
-    scale = _pow2_scale(amax, INTERPRETED)
-    if tl.program_id(0) == 0:
-        tl.store(col_scale_ptr + cols, scale, mask=col_ok)
-    t = tl.load(t_ptr + rows[:, None] * C + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    q_t = tl.trans(_to_e4m3(t.to(tl.float32) * scale[None, :], INTERPRETED))  # [BLOCK cols, BLOCK rows]
-    tl.store(qt_ptr + cols[:, None] * R + rows[None, :], q_t, mask=col_ok[:, None] & row_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    t = tl.load(t_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROWS:
+        amax = tl.load(row_amax_ptr + rows, mask=row_ok, other=0).to(tl.float32, bitcast=True)
+        scale = _pow2_scale(amax, INTERPRETED)
+        if tl.program_id(1) == 0:
+            tl.store(row_scale_ptr + rows, scale, mask=row_ok)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _to_e4m3(t * scale[:, None], INTERPRETED), mask=mask)
+    if COLS:
+        amax = tl.load(col_amax_ptr + cols, mask=col_ok, other=0).to(tl.float32, bitcast=True)
+        scale = _pow2_scale(amax, INTERPRETED)
+        if tl.program_id(0) == 0:
+            tl.store(col_scale_ptr + cols, scale, mask=col_ok)
+        q_t = tl.trans(_to_e4m3(t * scale[None, :], INTERPRETED))  # [BLOCK_C cols, BLOCK_R rows]
+        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], q_t, mask=col_ok[:, None] & row_ok[None, :])
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -155,30 +169,72 @@ def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
-@triton_op("kiln::fp8_row_cast", mutates_args=())
-def row_cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 t [R, C] (contiguous) -> (e4m3 t scaled per row [R, C], row scales [R, 1] float32, column amax [C] as
-    float32 bit patterns in int32, for `col_cast_t`)."""
+def _blocks(t: torch.Tensor, kernel: str) -> tuple[int, int]:
+    return (INTERPRETER_BLOCKS if _interpreted(t) else GPU_BLOCKS)[kernel]
+
+
+def _cast(
+    t: torch.Tensor, row_amax: torch.Tensor, col_amax: torch.Tensor, rows: bool, cols: bool, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cast kernel's launch; outputs not asked for are empty."""
     R, C = t.shape
-    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=t.device)
-    row_scale = torch.empty((R, 1), dtype=torch.float32, device=t.device)
-    col_amax = torch.zeros((C,), dtype=torch.int32, device=t.device)
-    block_r, block_c, _ = INTERPRETER_BLOCKS if _interpreted(t) else GPU_BLOCKS
-    grid = (triton.cdiv(R, block_r),)
-    wrap_triton(_row_cast_kernel)[grid](
-        t, q, row_scale, col_amax, R, C, BLOCK_R=block_r, BLOCK_C=block_c, INTERPRETED=_interpreted(t)
+    q = torch.empty((R, C) if rows else (0,), dtype=torch.float8_e4m3fn, device=t.device)
+    row_scale = torch.empty((R, 1) if rows else (0,), dtype=torch.float32, device=t.device)
+    q_t = torch.empty((C, R) if cols else (0,), dtype=torch.float8_e4m3fn, device=t.device)
+    col_scale = torch.empty((C, 1) if cols else (0,), dtype=torch.float32, device=t.device)
+    block_r, block_c = _blocks(t, kernel)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    wrap_triton(_cast_kernel)[grid](
+        t,
+        row_amax,
+        col_amax,
+        q,
+        row_scale,
+        q_t,
+        col_scale,
+        R,
+        C,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        COLS=cols,
+        INTERPRETED=_interpreted(t),
     )
-    return q, row_scale, col_amax
+    return q, row_scale, q_t, col_scale
 
 
-@triton_op("kiln::fp8_col_cast_t", mutates_args=())
-def col_cast_t(t: torch.Tensor, col_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 t [R, C] (contiguous) and its column amax from `row_cast` -> (e4m3 t^T scaled per column of t, [C, R]
-    contiguous, column scales [C, 1] float32)."""
+@triton_op("kiln::fp8_amax", mutates_args=())
+def amax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, C] (contiguous, bf16 or float32) -> (row amax [R], column amax [C]), float32 bit patterns in int32."""
     R, C = t.shape
-    q_t = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=t.device)
-    col_scale = torch.empty((C, 1), dtype=torch.float32, device=t.device)
-    block = (INTERPRETER_BLOCKS if _interpreted(t) else GPU_BLOCKS)[2]
-    grid = (triton.cdiv(R, block), triton.cdiv(C, block))
-    wrap_triton(_col_cast_t_kernel)[grid](t, col_amax, q_t, col_scale, R, C, BLOCK=block, INTERPRETED=_interpreted(t))
+    row_amax = torch.zeros((R,), dtype=torch.int32, device=t.device)
+    col_amax = torch.zeros((C,), dtype=torch.int32, device=t.device)
+    block_r, block_c = _blocks(t, "amax")
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    wrap_triton(_amax_kernel)[grid](
+        t, row_amax, col_amax, R, C, BLOCK_R=block_r, BLOCK_C=block_c, INTERPRETED=_interpreted(t)
+    )
+    return row_amax, col_amax
+
+
+@triton_op("kiln::fp8_cast_rows", mutates_args=())
+def cast_rows(t: torch.Tensor, row_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (e4m3 t scaled per row [R, C], row scales [R, 1] float32): torchao's cast along dim -1."""
+    q, row_scale, _, _ = _cast(t, row_amax, row_amax, rows=True, cols=False, kernel="rows")
+    return q, row_scale
+
+
+@triton_op("kiln::fp8_cast_cols_t", mutates_args=())
+def cast_cols_t(t: torch.Tensor, col_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (e4m3 t^T scaled per column of t, [C, R] contiguous, column scales [C, 1] float32): torchao's cast along
+    dim 0, transposed."""
+    _, _, q_t, col_scale = _cast(t, col_amax, col_amax, rows=False, cols=True, kernel="cols")
     return q_t, col_scale
+
+
+@triton_op("kiln::fp8_cast_both", mutates_args=())
+def cast_both(
+    t: torch.Tensor, row_amax: torch.Tensor, col_amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both casts from one read of t: (cast_rows's outputs, cast_cols_t's outputs)."""
+    return _cast(t, row_amax, col_amax, rows=True, cols=True, kernel="both")

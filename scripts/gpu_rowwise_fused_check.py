@@ -5,7 +5,8 @@
 Three parts, each in its own try block (a failing part prints its exception and the script goes on):
 
 (a) bit-exactness against torchao on CUDA at Llama3 8B's shapes (seq 8192): the e4m3 bytes and the scales of kiln's
-    row_cast / col_cast_t against torchao's hp_tensor_to_float8_dynamic along both axes, eager and compiled, for
+    amax + cast_rows / cast_cols_t / cast_both against torchao's hp_tensor_to_float8_dynamic along both axes, eager
+    and compiled, for
     x [8192, 4096] and [8192, 14336], W [4096, 4096], [1024, 4096], [14336, 4096], [4096, 14336] (bf16, and
     float32 as a weight under autocast is) and G [8192, 4096], [8192, 1024], [8192, 14336].
 (b) cast microbenchmark: the same work both ways (both axes, the per-column cast as a contiguous transposed copy):
@@ -92,7 +93,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def part_a() -> None:
-    from float8.rowwise_kernels import col_cast_t, row_cast
+    from float8.rowwise_kernels import amax, cast_both, cast_cols_t, cast_rows
 
     print("\n(a) bit-exactness vs torchao (e4m3 bytes and scales, per row and per column)")
     print(f"{'tensor':<24} {'dtype':<9} {'vs eager':<28} {'vs compiled':<28}")
@@ -115,9 +116,10 @@ def part_a() -> None:
     for i, (name, shape, dtype) in enumerate(shapes):
         try:
             t = sample(shape, dtype, seed=i)
-            q, s, col_amax = row_cast(t)
-            qt, st = col_cast_t(t, col_amax)
-            ours = (q, s, qt, st)
+            row_amax, col_amax = amax(t)
+            ours = (*cast_rows(t, row_amax), *cast_cols_t(t, col_amax))
+            both = cast_both(t, row_amax, col_amax)
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ours, both)), "cast_both != cast_rows/cols"
             verdicts = []
             for ref in (torchao_both(t), compiled(t)):
                 bad = [
@@ -136,7 +138,7 @@ def part_a() -> None:
 
 
 def part_b() -> None:
-    from float8.rowwise_kernels import col_cast_t, row_cast
+    from float8.rowwise_kernels import amax, cast_both, cast_rows
 
     print("\n(b) casts of one bf16 tensor, both axes + transposed copy (median of 50 runs)")
     print(f"    GB/s counted at 4 B/element (read bf16 once, write two e4m3 copies); peak ~{PEAK_GBS:.0f}")
@@ -146,15 +148,14 @@ def part_b() -> None:
     row_only = torch.compile(lambda t: torchao_cast(t, -1))
 
     def fused(t: torch.Tensor) -> None:
-        q, s, amax = row_cast(t)
-        col_cast_t(t, amax)
+        cast_both(t, *amax(t))
 
     for shape in [(8192, 4096), (8192, 14336), (4096, 14336), (8192, 1024)]:
         try:
             t = sample(shape, torch.bfloat16, seed=0)
             gb = t.numel() * 4 / 1e9
             ms_ao, ms_k = bench(lambda t=t: both(t)), bench(lambda t=t: fused(t))
-            ms_ao_row, ms_k_row = bench(lambda t=t: row_only(t)), bench(lambda t=t: row_cast(t))
+            ms_ao_row, ms_k_row = bench(lambda t=t: row_only(t)), bench(lambda t=t: cast_rows(t, amax(t)[0]))
             print(
                 f"{str(list(shape)):<16} {ms_ao:>20.3f} {gb / ms_ao * 1e3:>7.0f} {ms_k:>14.3f} {gb / ms_k * 1e3:>7.0f} "
                 f"{ms_ao / ms_k:>7.2f}x  {ms_ao_row:>13.3f} / {ms_k_row:.3f}"
@@ -167,30 +168,36 @@ def part_b() -> None:
 
 
 def part_b2() -> None:
-    """Tile sizes for float8/rowwise_kernels.py's GPU_BLOCKS (row_cast rows, its column step, col_cast_t tile)."""
+    """Tile sizes for float8/rowwise_kernels.py's GPU_BLOCKS (rows, columns) per kernel."""
     import float8.rowwise_kernels as k
 
-    print("\n(b2) kiln fused casts of [8192, 14336] bf16 by tile sizes (GPU_BLOCKS; median of 50)")
+    print("\n(b2) kiln's kernels on [8192, 14336] bf16 by tile size (rowwise_kernels.GPU_BLOCKS; median of 50)")
     t = sample((8192, 14336), torch.bfloat16, seed=0)
-    gb = t.numel() * 4 / 1e9
-    default = k.GPU_BLOCKS
-    best = None
-    for blocks in [(16, 256, 64), (8, 512, 64), (32, 128, 64), (4, 1024, 64), (16, 256, 128), (8, 256, 32)]:
-        try:
-            k.GPU_BLOCKS = blocks
-            row_ms = bench(lambda: k.row_cast(t))
-            amax = k.row_cast(t)[2]
-            col_ms = bench(lambda amax=amax: k.col_cast_t(t, amax))
-            total = row_ms + col_ms
-            sums = f"sum {total:.3f} ms ({gb / total * 1e3:.0f} GB/s)"
-            print(f"  {str(blocks):<16} row_cast {row_ms:.3f} ms  col_cast_t {col_ms:.3f} ms  {sums}")
-            best = min(best or (total, blocks), (total, blocks))
-        except Exception:
-            print(f"  {blocks}: FAILED")
-            traceback.print_exc()
-    k.GPU_BLOCKS = default
-    if best:
-        SUMMARY.append(f"best GPU_BLOCKS {best[1]} ({best[0]:.3f} ms)")
+    row_amax, col_amax = k.amax(t)
+    runs = {
+        "amax": lambda: k.amax(t),
+        "rows": lambda: k.cast_rows(t, row_amax),
+        "cols": lambda: k.cast_cols_t(t, col_amax),
+        "both": lambda: k.cast_both(t, row_amax, col_amax),
+    }
+    gb = {"amax": 2, "rows": 3, "cols": 3, "both": 4}  # bytes moved per element
+    default = dict(k.GPU_BLOCKS)
+    for kernel, run in runs.items():
+        timings = []
+        for blocks in [(32, 64), (64, 64), (64, 128), (128, 64), (32, 256), (128, 128), (16, 512)]:
+            try:
+                k.GPU_BLOCKS = {**default, kernel: blocks}
+                timings.append((bench(run), blocks))
+            except Exception as e:
+                print(f"  {kernel} {blocks}: FAILED {type(e).__name__}: {str(e)[:100]}")
+        k.GPU_BLOCKS = default
+        line = "  ".join(f"{b}: {ms:.3f}" for ms, b in timings)
+        if timings:
+            ms, blocks = min(timings)
+            print(f"  {kernel:<5} ms by tile: {line}")
+            rate = t.numel() * gb[kernel] / ms / 1e6
+            print(f"        best {blocks} {ms:.3f} ms = {rate:.0f} GB/s (default {default[kernel]})")
+            SUMMARY.append(f"best {kernel} tile {blocks}")
 
 
 def part_c() -> None:

@@ -83,11 +83,18 @@ SHAPES = [(64, 96), (50, 96), (17, 300), (130, 40)]  # rows not a multiple of ei
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
 def test_casts_match_torchao_bit_for_bit(shape: tuple[int, int], dtype: torch.dtype) -> None:
-    from float8.rowwise_kernels import col_cast_t, row_cast
+    from float8.rowwise_kernels import amax, cast_both, cast_cols_t, cast_rows
 
     t = awkward(*shape, dtype)
-    q, row_scale, col_amax = row_cast(t)
-    q_t, col_scale = col_cast_t(t, col_amax)
+    row_amax, col_amax = amax(t)
+    assert torch.equal(row_amax.view(torch.float32), t.float().abs().amax(1))
+    assert torch.equal(col_amax.view(torch.float32), t.float().abs().amax(0))
+    q, row_scale = cast_rows(t, row_amax)
+    q_t, col_scale = cast_cols_t(t, col_amax)
+    assert [
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(cast_both(t, row_amax, col_amax), (q, row_scale, q_t, col_scale))
+    ] == [True] * 4
 
     ref_q, ref_scale = torchao_cast(t, -1)  # per row: [R, C] and [R, 1]
     assert q.dtype == E4M3 and q.shape == shape and q.is_contiguous()
@@ -98,19 +105,18 @@ def test_casts_match_torchao_bit_for_bit(shape: tuple[int, int], dtype: torch.dt
     assert q_t.shape == shape[::-1] and q_t.is_contiguous()
     assert torch.equal(q_t.view(torch.uint8), ref_q.t().contiguous().view(torch.uint8))
     assert torch.equal(col_scale, ref_scale.t())
-    assert torch.equal(col_amax.view(torch.float32), t.float().abs().amax(0))
 
 
 def test_scale_of_float32_just_below_a_power_of_two_follows_log2() -> None:
     """The case where rounding by exponent bits would differ from torchao's exp2(floor(log2(s))): amax one ulp
     above 448 / 16 gives s one ulp below 16, which log2 rounds to exactly 4, so torchao's scale is 16, not 8."""
-    from float8.rowwise_kernels import row_cast
+    from float8.rowwise_kernels import amax, cast_rows
 
-    amax = torch.nextafter(torch.tensor(28.0), torch.tensor(1e30))
-    t = torch.full((1, 16), float(amax))
+    big = torch.nextafter(torch.tensor(28.0), torch.tensor(1e30))
+    t = torch.full((1, 16), float(big))
     ref_q, ref_scale = torchao_cast(t, -1)
     assert float(ref_scale) == 16.0
-    q, scale, _ = row_cast(t)
+    q, scale = cast_rows(t, amax(t)[0])
     assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
