@@ -21,7 +21,7 @@ import torch.nn as nn
 from kiln_base.config import parse_args
 from kiln_base.errors import ConfigError
 from tests.helpers.common import needs_cpu_rowwise, run_trainer, tiny_run_args
-from tests.helpers.kiln_process import run_kiln
+from tests.helpers.kiln_process import run_kiln, run_python
 
 E4M3 = torch.float8_e4m3fn
 
@@ -162,6 +162,47 @@ def test_other_dtypes_run_torchao_forward() -> None:
     ref, fused = linear_pair(False, torch.float16)
     x = torch.randn(8, 96, dtype=torch.float16)
     assert torch.equal(ref(x), fused(x))
+
+
+# Compiles the kernels for an H100/H200 (sm90) as torch.compile would, without a GPU: Inductor's copy of each kernel
+# module, Triton's frontend, LLVM and the bundled ptxas. In a fresh process, without TRITON_INTERPRET.
+BUILD_FOR_SM90 = """
+import importlib.util, pathlib, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import float8.rowwise_kernels as k
+from kiln_base.internals import inductor_user_kernel_source
+
+SIG = {"R": "i32", "C": "i32", "row_amax_ptr": "*i32", "col_amax_ptr": "*i32", "row_scale_ptr": "*fp32",
+       "col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv"}
+cases = [(k._amax_kernel, {"BLOCK_R": 64, "BLOCK_C": 128})]
+cases += [(k._cast_kernel, {"BLOCK_R": 64, "BLOCK_C": 64, "ROWS": r, "COLS": c}) for r, c in ((1, 0), (0, 1), (1, 1))]
+for kernel, consts in cases:
+    for dtype in ("bf16", "fp32"):
+        path = pathlib.Path(tempfile.mkdtemp()) / "inductor_copy.py"
+        path.write_text(inductor_user_kernel_source(kernel))
+        spec = importlib.util.spec_from_file_location("inductor_copy", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = getattr(module, kernel.__name__)
+        consts = {**consts, "INTERPRETED": False}
+        sig = {a: ("*" + dtype if a == "t_ptr" else "constexpr" if a in consts else SIG[a]) for a in fn.arg_names}
+        where = {(fn.arg_names.index(a),): v for a, v in consts.items()}
+        ptx = triton.compile(ASTSource(fn, sig, constexprs=where), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert "lg2.approx" not in ptx  # libdevice's log2, as Inductor's code for torchao calls it
+        if kernel is k._cast_kernel:
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # round to nearest even
+print("built", len(cases) * 2)
+"""
+
+
+@pytest.mark.slow  # Triton compiles 8 kernels: ~30 s
+def test_kernels_build_for_the_gpu_as_torch_compile_copies_them() -> None:
+    """The first version built eagerly but not under torch.compile on the H200 (`NameError: _MAX is not defined`:
+    Inductor copies a jit function under its own name); this builds what Inductor would run, for sm90."""
+    proc = run_python(BUILD_FOR_SM90, env={"TRITON_INTERPRET": None})
+    assert proc.returncode == 0 and "built 8" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- config and training

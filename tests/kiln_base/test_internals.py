@@ -413,6 +413,15 @@ def test_triton_max_combine_is_tl_max_s() -> None:
     assert "_elementwise_max" in inspect.getsource(tl.standard.max.fn)
 
 
+def test_inductor_user_kernel_source_copies_dependencies() -> None:
+    """Inductor's module for a user kernel holds the kernel and the jit functions it calls, under their own names."""
+    import float8.rowwise_kernels as k
+
+    src = internals.inductor_user_kernel_source(k._amax_kernel)
+    assert "@triton.jit\ndef _amax_kernel(" in src and "def _amax(" in src and "def _elementwise_max(" in src
+    assert "_MAX =" not in src  # the alias is not copied: why the GPU branch of _amax names tl.max
+
+
 def test_float8_weight_inner() -> None:
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import LinearMMConfig
