@@ -182,13 +182,14 @@ def test_two_groups_without_a_fault_give_hsdp_losses(tmp_path: Path) -> None:
 def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_path: Path) -> None:
     """Kill group 1 (SIGKILL of its run_train.sh tree) two steps after both groups train together: group 0 trains on
     alone; group 1 restarted heals from group 0 (synchronous: at its first step; LocalSGD: at its first sync) and both
-    finish in step, with bitwise equal weights in their last checkpoints (a sync step under LocalSGD). (Enough steps
-    that the survivor is still training when the restarted group has started.)"""
+    finish in step, with bitwise equal weights in their step-STEPS checkpoints (a sync step under LocalSGD). The
+    survivor trains twice as many steps, so it is still training when the restarted group has started, however slow
+    the machine (a constant lr: the two step counts give the same updates)."""
     semi_sync = ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3")
+    constant_lr = ("--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0")
     run = (
         *(semi_sync if mode == "local_sgd" else ()),
-        "--training.steps",
-        str(STEPS),
+        *constant_lr,
         "--training.seq_len",
         "128",
         "--checkpoint.enable_checkpoint",
@@ -204,20 +205,24 @@ def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_
         # its first sync (a quorum of one would let it train on alone until their syncs coincide)
         join_ms = 30_000 if mode == "local_sgd" else 1000
         address = stack.enter_context(lighthouse(min_replicas=1, join_timeout_ms=join_ms))
-        g0, g1 = (Output(start_group(g, address, tmp_path, *run)) for g in (0, 1))
+        survivor, rejoining = ("--training.steps", str(2 * STEPS)), ("--training.steps", str(STEPS))
+        g0, g1 = (
+            Output(start_group(0, address, tmp_path, *run, *survivor)),
+            Output(start_group(1, address, tmp_path, *run, *rejoining)),
+        )
         stack.callback(lambda: [os.killpg(o.proc.pid, signal.SIGKILL) for o in (g0, g1) if o.proc.poll() is None])
         g0.wait_for(r"step \d+: 2 of 2 replica groups live")
         together = int(re.findall(r"step (\d+): 2 of 2 replica groups live", g0.text)[0])
         g1.wait_for(rf"\[rank0\]:.* step:\s+{together + 2} ")
         os.killpg(g1.proc.pid, signal.SIGKILL)
         g1.finish()
-        restarted = Output(start_group(1, address, tmp_path, *run))  # at once: its start-up takes 10-20 s here
+        restarted = Output(start_group(1, address, tmp_path, *run, *rejoining))  # at once: start-up takes 10-20 s
         assert restarted.finish() == 0, restarted.text[-4000:]
         assert g0.finish() == 0, g0.text[-4000:]
     # The survivor: every step once, in order (from its first: a group that joins late heals at its first step);
     # told when it went on alone and when the group came back.
     logged = steps_logged(g0.text)
-    assert logged == list(range(logged[0], STEPS + 1)), g0.text[-4000:]
+    assert logged == list(range(logged[0], 2 * STEPS + 1)), g0.text[-4000:]
     alone = "1 of 2 replica groups live" + ("; global batch 4 sequences" if mode == "synchronous" else "")
     assert re.search(rf"step \d+: {alone}", g0.text)
     after_kill = g0.text.split("2 of 2 replica groups live", 1)[1].split("1 of 2 replica groups live", 1)[1]
