@@ -22,6 +22,14 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(autouse=True)
+def _onednn_restored() -> Iterator[None]:
+    """A CPU float8 build turns oneDNN off process-wide (float8/converter.py): each test starts as it found it."""
+    enabled = torch.backends.mkldnn.enabled
+    yield
+    torch.backends.mkldnn.enabled = enabled
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_process_group() -> Iterator[None]:
     """A test that fails half-way through building a Trainer must not leave its process group (or the global
     deterministic-algorithms switch that training.deterministic sets) to the next."""
