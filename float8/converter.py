@@ -309,7 +309,7 @@ class Float8Converter:
                 skip_torchao_triton_min_max_patch()  # a GPU-only codegen fix whose import costs 0.7 s per rank
                 # oneDNN's float8 matmul on a CPU with AMX took 0.49 s for 256^3 where torch's own took 6.7 ms
                 # (torch 2.13, Xeon with amx_bf16, 2026-11-28): CPU float8 runs (tests) use torch's (process-wide).
-                torch.backends.mkldnn.enabled = False
+                torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: set as a bool
             convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
         for fqn, mod in model.named_modules():
             if fqn in chosen:
