@@ -174,15 +174,20 @@ class Pipeline:
         batch in rows and length; the training stages keep the buffers made for theirs)."""
         n = inputs.shape[0] // self.microbatch_size
         if n not in self._eval:
-            schedule = self._schedule(n, lambda logits, target: self.loss_fn(logits, target, None) / n)[1]
-            if self.plan.schedule == "ZBVZeroBubble":
-                forward_only_schedule(schedule)
-            self._eval[n] = schedule
+            self._eval[n] = self._forward_only(n, lambda logits, target: self.loss_fn(logits, target, None) / n)
         args, kwargs = self._inputs(inputs, positions)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None
         self._eval[n].eval(*args, target=target, losses=losses, **kwargs)
         return self._summed(losses, 1)
+
+    def _forward_only(self, n: int, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+        """A schedule of its own over the stage models for `n` micro-batches, run forward only (`.eval`), with `fn`
+        on the last stage's outputs; the V schedule keeps only its forward actions."""
+        schedule = self._schedule(n, fn)[1]
+        if self.plan.schedule == "ZBVZeroBubble":
+            forward_only_schedule(schedule)
+        return schedule
 
     def evaluate_rows(
         self,
@@ -198,10 +203,7 @@ class Pipeline:
         n = inputs.shape[0] // self.microbatch_size
         key = (n, inputs.shape[1])
         if key not in self._rows:
-            schedule = self._schedule(n, row_fn)[1]
-            if self.plan.schedule == "ZBVZeroBubble":
-                forward_only_schedule(schedule)
-            self._rows[key] = schedule
+            self._rows[key] = self._forward_only(n, row_fn)
         args, kwargs = self._inputs(inputs, positions)
         target = labels if self.has_last else None
         outs: list[Any] | None = [] if self.has_last else None
