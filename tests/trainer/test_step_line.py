@@ -2,7 +2,7 @@
 its own: a clock the test moves, the optimizer's own lr, a device memory the test allocates.
 
 tps, tflops, mfu, eta and validation's exclusion: tests/trainer/test_trainer.py; across layouts (tokens / PP and CP
-degree): tests/parallelisms/test_step_line_layouts.py; the scalars against the line: tests/trainer/test_wandb.py."""
+degree): tests/parallelisms/test_grad_norm_layouts.py; the scalars against the line: tests/trainer/test_wandb.py."""
 
 from __future__ import annotations
 
