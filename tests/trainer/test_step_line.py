@@ -186,3 +186,37 @@ def test_a_gpu_without_float8_peak_reads_mfu_fp8_na(monkeypatch: pytest.MonkeyPa
     assert out["mfu"] == pytest.approx(10.0, rel=1e-12) and out["mfu_fp8"] == pytest.approx(5.0, rel=1e-12)
     out, line = _one_interval(_logger(monkeypatch, torch.device("cuda", 0), False), tokens=1_000_000)
     assert "mfu_fp8" not in line and "mfu_fp8" not in out  # float8 off: no float8 figure at all
+
+
+# A name torch.cuda.get_device_name reports for each row of docs/metrics.md's peak table.
+DEVICE_NAMES = {
+    "A100": ["NVIDIA A100-SXM4-80GB"],
+    "H100 SXM": ["NVIDIA H100 80GB HBM3"],
+    "H100 PCIe": ["NVIDIA H100 PCIe"],
+    "H100 NVL": ["NVIDIA H100 NVL"],
+    "H200": ["NVIDIA H200"],
+    "H200 NVL": ["NVIDIA H200 NVL"],
+    "B200": ["NVIDIA B200"],
+    "MI300X / MI325X": ["AMD Instinct MI300X", "AMD Instinct MI325X"],
+}
+
+
+def test_the_docs_peak_table_is_the_one_mfu_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row of docs/metrics.md's peak table is what peak_flops returns for that device's name, every entry of
+    the code's table has a row, and a GPU in neither has no MFU (n/a, naming metrics.peak_tflops)."""
+    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    table = text.split("## Peak FLOP/s")[1].split("\n\n")[2]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [row[0] for row in rows] == list(DEVICE_NAMES)
+    matched = set()
+    for device, bf16, fp8 in rows:
+        for name in DEVICE_NAMES[device]:
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, name=name: name)
+            peak = metrics_module.peak_flops(torch.device("cuda", 0), None)
+            want_fp8 = None if fp8 == "—" else float(fp8.replace(",", "")) * 1e12
+            assert (peak.bf16, peak.float8) == (float(bf16.replace(",", "")) * 1e12, want_fp8), name
+            matched.add(next(key for key, *_ in metrics_module.PEAK_TFLOPS if key in name))
+    assert matched == {key for key, *_ in metrics_module.PEAK_TFLOPS}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA L4")
+    peak = metrics_module.peak_flops(torch.device("cuda", 0), None)
+    assert (peak.bf16, peak.float8) == (None, None) and "set metrics.peak_tflops" in peak.source
