@@ -36,10 +36,11 @@ BAD_SHAPES: dict[str, tuple[dict[str, int], int, str]] = {
         r"n_kv_heads must divide n_heads|num_key_value_heads = 3: does not divide num_attention_heads 16",
     ),
     "vocabulary below the tokenizer's": ({"vocab_size": 2000}, 1, f"{VOCAB} tokens"),
+    "more than the machine holds": ({"n_layers": 10**6}, 1, r"needs at least"),
     "TP 2 over one kv head": ({"n_kv_heads": 1}, 2, r"tensor_parallel_degree \(2\) must divide the model's n_kv_heads"),
 }
 HF_KEYS = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
-HF_KEYS["vocab_size"] = "vocab_size"
+HF_KEYS |= {"vocab_size": "vocab_size", "n_layers": "num_hidden_layers"}
 
 
 def _toml(values: dict) -> str:
