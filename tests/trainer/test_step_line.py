@@ -93,18 +93,19 @@ def test_data_share_lr_and_checkpoint_time(tmp_path: Path, monkeypatch: pytest.M
     assert [f"lr: {m['lr']:.4e}" in line for m, line in zip(logged, lines, strict=True)] == [True] * 3
 
 
+CLOCK = StepClock()  # the metrics module's clock in the tests below (monkeypatched in by _logger)
+
+
 def _logger(monkeypatch: pytest.MonkeyPatch, device: torch.device, float8: bool, **cfg: Any) -> MetricsLogger:
-    clock = StepClock()
-    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=clock))
-    metrics = MetricsLogger(Metrics(**cfg), device, 1e9, None, True, float8=float8)
-    metrics.clock = clock  # type: ignore[attr-defined]
-    return metrics
+    """A logging rank's MetricsLogger at 1 GFLOP per token, timed by CLOCK."""
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=CLOCK))
+    return MetricsLogger(Metrics(**cfg), device, 1e9, None, True, float8=float8)
 
 
 def _one_interval(metrics: MetricsLogger, tokens: int = 1000, seconds: float = 1.0) -> tuple[dict[str, float], str]:
     """One step of `tokens` in `seconds`, logged: the metrics and the step line."""
     metrics.count_step(tokens, 0.0)
-    metrics.clock.now += seconds  # type: ignore[attr-defined]
+    CLOCK.now += seconds
     with kiln_log_lines() as log:
         out = metrics.log(1, 10, 5.0, 1.0, 1e-3)
     (line,) = [line for line in log.lines if line.startswith("step:")]
