@@ -205,10 +205,16 @@ def _lost_peers(trainer: Trainer, e: Exception) -> tuple[str, str] | None:
     reason = reason if len(reason) <= 160 else reason[:157] + "..."
     rank = int(os.environ.get("RANK", 0))
     what = trainer.peers.describe(lost)
-    line = (
-        f"rank {rank} stopped in step {trainer.step}: {what}; a collective failed ({reason}); torchrun restarts the "
-        "job (MAX_RESTARTS) from the newest complete checkpoint"
+    # torchrun tells its ranks their restart budget; a rank started otherwise has none.
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     )
+    then = (
+        "torchrun restarts the job (MAX_RESTARTS) from the newest complete checkpoint"
+        if restarts_left > 0
+        else "no restarts left (MAX_RESTARTS); run it again to resume from the newest complete checkpoint"
+    )
+    line = f"rank {rank} stopped in step {trainer.step}: {what}; a collective failed ({reason}); {then}"
     gone = what if lost is not None else "lost rank 0's node (the job's store is unreachable)"
     return line, f"{gone} (rank {rank} found out in step {trainer.step})"
 

@@ -87,6 +87,8 @@ def test_frozen_rank_ends_the_job_within_the_timeout(
     survivor, host = 1 - frozen, socket.gethostname()
     assert rc == 75 and errors, out[-4000:]
     assert re.search(rf"rank {survivor} stopped in step \d+: lost rank {frozen} \(host {host}\); ", errors[0]), out
+    assert errors[0].endswith("; no restarts left (MAX_RESTARTS); run it again to resume from the newest complete "
+                              "checkpoint"), errors[0]  # fmt: skip
     assert re.fullmatch(
         rf"kiln: error: the job lost rank {frozen} \(host {host}\) \(rank {survivor} found out in step \d+\); its "
         r"restarts are spent \(MAX_RESTARTS=0\); run it again to resume from the newest complete checkpoint",

@@ -362,6 +362,7 @@ def _kill_and_replace(endpoint: str, dump: Path, started: list[Node]) -> tuple[s
     detected, line = node0.wait_for("kiln: error: ")
     m = re.search(r"kiln: error: rank [01] stopped in step (\d+): lost ranks 2, 3 \(node 1, host \S+\); ", line)
     assert m, line
+    assert line.rstrip().endswith("; torchrun restarts the job (MAX_RESTARTS) from the newest complete checkpoint")
     replacement = Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1)
     started.append(replacement)
     (rc0, out0), (rc1, out1) = node0.finish(), replacement.finish()
