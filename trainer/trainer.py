@@ -213,6 +213,7 @@ class Trainer:
                 set_step=lambda step: setattr(self, "step", step),
                 quorum_timeout_seconds=cfg.comm.init_timeout_seconds,
                 init_sync=t.seed is None,  # unseeded groups drew different weights: the first quorum syncs them
+                fragments=self.plan.fragments,
             )
             self.ft.resume_at(self.step)
         self.skip: NonFiniteSkip | None = None  # training.skip_nonfinite_steps: the guard that skips bad steps

@@ -10,7 +10,10 @@ whether the step may be applied: when a group died during the step the all-reduc
 the next quorum goes on without the dead group (a smaller global batch).
 
 With semi_sync_method local_sgd the groups step alone and torchft's LocalSGD, hooked on the optimizer, meets them every
-sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups.
+sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups. With diloco
+torchft's DiLoCo meets them every sync_steps / fragments steps, one model fragment (the plan's) at a time: a quorum,
+then the fragment's pseudo-gradient (its weights at its last sync minus this group's weights now) averaged over the
+live groups and applied to the last sync's weights by an outer Nesterov SGD (torchtitan's: lr 0.7, momentum 0.9).
 
 torchft is imported only here and only with fault_tolerance.enable (pip install -e '.[ft]').
 docs/fault_tolerance.md says how to launch a job and what happens to a group's samples while it is down.
@@ -76,6 +79,7 @@ class ReplicaGroup:
         set_step: Callable[[int], None],
         quorum_timeout_seconds: int,
         init_sync: bool,
+        fragments: tuple[tuple[str, ...], ...] | None = None,
     ) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum and commit at info
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # kiln's own lines say what changed
@@ -99,6 +103,11 @@ class ReplicaGroup:
                 ) from None
         if ft.process_group == "nccl" and not torch.cuda.is_available():
             raise ConfigError('fault_tolerance.process_group = "nccl" needs CUDA GPUs; on a CPU use "gloo"')
+        if ft.semi_sync_method == "diloco" and ft.should_quantize and not torch.cuda.is_available():
+            # torchft quantizes with triton kernels on the GPU; without triton it silently sends fp32 instead
+            raise ConfigError(
+                "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); on a CPU set it false"
+            )
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
         self.manager = Manager(
             pg=pg,
@@ -114,9 +123,9 @@ class ReplicaGroup:
         )
         self.participants = 0
         self.committed = True
-        # semi_sync_method local_sgd: torchft's LocalSGD hooks on the optimizer, as long as this group lives: every
-        # sync_steps optimizer steps a quorum (a restarted group heals there) and the weights averaged over the live
-        # groups.
+        # semi_sync_method local_sgd / diloco: torchft's LocalSGD / DiLoCo hooks on the optimizer, as long as this group
+        # lives: at every sync a quorum (a restarted group heals there), then the weights (LocalSGD) or a fragment's
+        # pseudo-gradient (DiLoCo) averaged over the live groups.
         self.semi_sync = contextlib.ExitStack()
         if ft.semi_sync_method == "local_sgd":
             from torchft.local_sgd import LocalSGD
@@ -127,7 +136,37 @@ class ReplicaGroup:
                 optimizer.register_step_post_hook(lambda *_: self.resume_at(self.get_step())).remove
             )
             self.semi_sync.enter_context(LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps))
+        elif ft.semi_sync_method == "diloco":
+            assert fragments, "the plan's DiLoCo fragments (kiln_base.config.plan.diloco_fragments)"
+            self.semi_sync.enter_context(self._diloco(fragments))
         self.error: str | None = None
+
+    def _diloco(self, fragments: tuple[tuple[str, ...], ...]) -> Any:
+        """torchft's DiLoCo on the optimizer, one fragment (a module dict of the model's modules, the same parameters)
+        and one outer optimizer per fragment of the plan."""
+        from torchft.local_sgd import DiLoCo
+
+        ft = self.ft
+        parts = [nn.ModuleDict({fqn.replace(".", "_"): self.model.get_submodule(fqn) for fqn in f}) for f in fragments]
+        per = ft.sync_steps // len(parts)
+        # Before DiLoCo's hook: the quorum compares the syncs the training step implies (step s ends sync (s-1)//per;
+        # DiLoCo picks its fragment from that count), not the syncs this process made: a restarted group, behind the
+        # others whatever it did alone, heals at its first sync and then picks the others' fragment.
+        self.semi_sync.callback(
+            self.optimizer.register_step_post_hook(lambda *_: self.resume_at((self.get_step() - 1) // per)).remove
+        )
+        # torchtitan's outer optimizer (torchtitan/components/ft/manager.py, v0.2.2): the DiLoCo paper's choice
+        outer = [torch.optim.SGD(p.parameters(), lr=0.7, momentum=0.9, nesterov=True) for p in parts]
+        return DiLoCo(
+            self.manager,
+            parts,
+            self.optimizer,
+            outer,
+            sync_every=ft.sync_steps,
+            should_quantize=ft.should_quantize,
+            fragment_sync_delay=ft.fragment_sync_delay,
+            fragment_update_alpha=ft.fragment_update_alpha,
+        )
 
     # ------------------------------------------------------------------ what a healing group receives
 
