@@ -460,6 +460,13 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "_flex/_varlen) or context_parallel_degree 1"
         )
     check_float8_blocks(cfg.float8, shape.n_layers)
+    ft = cfg.fault_tolerance
+    # torchft quantizes pseudo-gradients with triton kernels on the GPU; without them it silently sends them unquantized
+    _check(
+        not (ft.enable and ft.semi_sync_method == "diloco" and ft.should_quantize and device_type != "cuda"),
+        f"fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on {device_type}: "
+        "set it false",
+    )
     if shape.attn_type == "varlen" and device_type != "cuda":
         flavor = cfg.model.flavor
         flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"

@@ -103,11 +103,6 @@ class ReplicaGroup:
                 ) from None
         if ft.process_group == "nccl" and not torch.cuda.is_available():
             raise ConfigError('fault_tolerance.process_group = "nccl" needs CUDA GPUs; on a CPU use "gloo"')
-        if ft.semi_sync_method == "diloco" and ft.should_quantize and not torch.cuda.is_available():
-            # torchft quantizes with triton kernels on the GPU; without triton it silently sends fp32 instead
-            raise ConfigError(
-                "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); on a CPU set it false"
-            )
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
         self.manager = Manager(
             pg=pg,
