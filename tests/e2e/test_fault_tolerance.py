@@ -1,10 +1,12 @@
 """Fault tolerance on TorchFT ([fault_tolerance], docs/fault_tolerance.md) through run_train.sh, as users start it:
 two replica groups of 2 gloo ranks each, each its own run_train.sh, and a torchft lighthouse started in this process.
 
-- with no fault the two groups of FSDP 2 give the losses of HSDP 2 x 2 (fp32, deterministic, the same global batch);
+- with no fault the two groups of FSDP 2 give the losses of HSDP 2 x 2 (fp32, deterministic, the same global batch),
+  also with float8 (tensorwise, FSDP float8 all-gather) and compile inside the groups;
 - a group killed with SIGKILL mid-run: the other trains on alone (its step lines stay 1..N, each once), the killed
   group restarted heals from it (weights, optimizer, LR schedule, step) and both finish in step: the same averaged
-  losses and bitwise equal weights in their last checkpoints;
+  losses and bitwise equal weights in their last checkpoints (LocalSGD, DiLoCo: at a sync, of what it synced);
+- DiLoCo with no fault: the groups' weights meet at each sync in torchtitan's outer Nesterov SGD step;
 - each mistake gives its one line (the lighthouse unreachable: within process_group_timeout_ms, not a hang).
 """
 
@@ -136,12 +138,22 @@ def bitwise_equal(a: object, b: object) -> bool:
     return a == b
 
 
+FLOAT8_COMPILE = (
+    *("--float8.enable_float8_linear", "--float8.recipe_name", "tensorwise"),
+    *("--float8.enable_fsdp_float8_all_gather", "--training.compile"),
+)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_groups_without_a_fault_give_hsdp_losses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inside", ["fp32", "float8_compile"])
+def test_two_groups_without_a_fault_give_hsdp_losses(inside: str, tmp_path: Path) -> None:
     """Two groups of FSDP 2 through the lighthouse == HSDP 2 x 2 in one job, within 1e-5 at every step (the
-    lighthouse waits for both groups: a group that came later would heal from the first at its first step)."""
+    lighthouse waits for both groups: a group that came later would heal from the first at its first step); also
+    with float8 (tensorwise, FSDP float8 all-gather) and compile inside each group, as without fault tolerance."""
     steps, tb = ("--training.steps", "5"), ("--metrics.enable_tensorboard",)
+    if inside == "float8_compile":
+        steps += FLOAT8_COMPILE
     hsdp = run_kiln(
         [
             *TINY,
@@ -174,6 +186,11 @@ def test_two_groups_without_a_fault_give_hsdp_losses(tmp_path: Path) -> None:
         for step in want:
             assert abs(got[step]["kiln/loss"] - want[step]["kiln/loss"]) < 1e-5
         assert "2 of 2 replica groups live; global batch 8 sequences" in outputs[g].text
+        if inside == "float8_compile":
+            assert "float8 + compile: inductor tile_reductions on" in outputs[g].text
+            assert re.search(
+                r"float8 in use: FSDP all-gathers [1-9]\d* Float8Linear weights as 1-byte", outputs[g].text
+            )
 
 
 @pytest.mark.slow
