@@ -315,24 +315,31 @@ def test_diloco_groups_meet_in_torchtitans_outer_nesterov_step(tmp_path: Path) -
     they follow torchtitan's outer optimizer (SGD, lr 0.7, momentum 0.9, Nesterov) over the pseudo-gradients averaged
     across the groups: with M1, M3 the groups' mean weights after steps 1 and 3, the first sync W2 = W0 - 0.7 x 1.9
     x (W0 - M1) gives the first pseudo-gradient (M1 - W2) / 0.33 without the initial W0, and torch's SGD, stepped on it
-    and then on W2 - M3, must give W4."""
+    and then on W2 - M3, must give W4.
+    Then both groups stop after step 5 (apart: between syncs) and resume from their checkpoints at once: DiLoCo's
+    outer state is not in them, so at the first sync's quorum (after step 6) one group heals from the other: their
+    weights are bitwise equal from then on (steps 6 and 7)."""
     run = (
-        *("--training.steps", "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1"),
+        *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path / "out")),
         *("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"),
-        *("--fault_tolerance.fragment_sync_delay", "1", "--job.dump_folder", str(tmp_path / "out")),
+        *("--fault_tolerance.fragment_sync_delay", "1"),
     )
-    with lighthouse(min_replicas=2) as address:
-        outputs = [Output(start_group(g, address, tmp_path, *run)) for g in (0, 1)]
-        assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
-    assert losses_logged(outputs[0].text)[1] != losses_logged(outputs[1].text)[1]
-    assert "the sync before step 2: 2 of 2 replica groups live" in outputs[0].text  # its quorum: after step 1
+    outputs = []
+    for steps in (5, 7):
+        with lighthouse(min_replicas=2) as address:
+            outputs = [Output(start_group(g, address, tmp_path, *run, "--training.steps", str(steps))) for g in (0, 1)]
+            assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
+        if steps == 5:
+            assert losses_logged(outputs[0].text)[1] != losses_logged(outputs[1].text)[1]
+            assert "the sync before step 2: 2 of 2 replica groups live" in outputs[0].text  # its quorum: after step 1
+    assert sum("healed from a live replica group: weights, optimizer and lr of step 6" in o.text for o in outputs) == 1
     folder = tmp_path / "out" / "checkpoint"
-    states = {s: [trained_state(folder / f"ft_replica_{g}" / f"step-{s}") for g in (0, 1)] for s in (1, 2, 3, 4)}
+    states = {s: [trained_state(folder / f"ft_replica_{g}" / f"step-{s}") for g in (0, 1)] for s in range(1, 8)}
     weights = [k for k, v in states[1][0].items() if isinstance(v, torch.Tensor)]
     assert "tok_embeddings.weight" in weights and "output.weight" in weights
-    for step, equal in ((1, False), (2, True), (3, False), (4, True)):
+    for step in range(1, 8):
         a, b = states[step]
-        assert all(torch.equal(a[k], b[k]) for k in weights) == equal, step
+        assert all(torch.equal(a[k], b[k]) for k in weights) == (step in (2, 4, 6, 7)), step
     for k in weights:
         (m1, m3), w2 = ((states[s][0][k] + states[s][1][k]) / 2 for s in (1, 3)), states[2][0][k]
         first = (m1 - w2) / (0.7 * 1.9 - 1)
