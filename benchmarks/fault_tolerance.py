@@ -144,7 +144,8 @@ def main() -> None:
     if a.no_kill:
         return
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    join_ms = 30_000 if a.semi_sync else 1000  # a sync waits for the live groups: the restarted one meets the survivor
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=join_ms, heartbeat_timeout_ms=1000)
     run[run.index("--training.steps") + 1] = str(a.kill_steps)
     g0, g1 = (group(g, "kill", server.address()) for g in (0, 1))
     g1.first(rf"\[rank0\]:.* step:\s+{a.kill_at}\s")
@@ -162,6 +163,9 @@ def main() -> None:
     restarted.wait()
     g0.wait()
     server.shutdown()
+    for name, job in (("survivor", g0), ("restarted", restarted)):  # what each logged of the kill and the heal
+        said = [line.rstrip() for _, line in job.lines if "[rank0]" in line and "fault tolerance:" in line]
+        print(f"{name}:", *said, sep="\n    ")
 
 
 if __name__ == "__main__":
