@@ -11,8 +11,9 @@ Starts a torchft lighthouse in this process and runs the debug model (2 layers, 
    fragment, the whole model);
 2. two groups again; group 1's whole run_train.sh tree SIGKILLed when its step line `--kill-at` appears: the seconds
    from the kill to the survivor's next step line, then group 1 restarted at once: the seconds from its start to its
-   first step line (start-up, quorum, healing from the live group and one step), and from its "healed" line to it
-   (skipped with `--no-kill`).
+   first step line (start-up, quorum, healing from the live group and one step; semi-sync: start-up and steps alone
+   up to its first sync, where it heals), to its "healed" line, and from that line to the next step line (skipped
+   with `--no-kill`).
 
 Times are wall clock as this process reads the lines (one OpenMP thread per rank); the numbers are noisy on a shared
 machine: run it on an idle one.
@@ -156,9 +157,10 @@ def main() -> None:
     restarted = group(1, "kill", server.address())
     first = restarted.first(r"\[rank0\]:.* step:")
     healed = restarted.first(r"healed from a live replica group")
+    after = restarted.first(r"\[rank0\]:.* step:", after=healed)  # semi-sync: it trained alone before its first sync
     print(
-        f"group 1 restarted -> its first step line: {first - restarted.started:.2f} s (healed -> first step: "
-        f"{first - healed:.2f} s)"
+        f"group 1 restarted -> its first step line: {first - restarted.started:.2f} s, its healed line: "
+        f"{healed - restarted.started:.2f} s (healed -> the next step line: {after - healed:.2f} s)"
     )
     restarted.wait()
     g0.wait()
