@@ -253,6 +253,16 @@ def _as_linear(linear: nn.Module, cls: type[nn.Linear]) -> nn.Linear:
     return new
 
 
+def prepare_cpu_float8() -> None:
+    """Without CUDA, before torchao's float8 training runs (kiln's build, and scripts or tests that convert with
+    torchao directly): torch's own CPU float8 matmul instead of oneDNN's, process-wide. oneDNN's took 0.49 s for a
+    256^3 matmul on a Xeon with amx_bf16 where torch's took 6.7 ms (torch 2.13, 2026-11-28)."""
+    if torch.cuda.is_available():
+        return
+    skip_torchao_triton_min_max_patch()  # a GPU-only codegen fix whose import costs 0.7 s per rank
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: set as a bool
+
+
 def _cast_input_to_autocast_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook: Float8Linear honours only CUDA autocast when casting its input. Under CPU autocast
     the input stayed fp32 while grad_output came back bf16, and rowwise_with_gw_hp's high-precision
@@ -305,11 +315,7 @@ class Float8Converter:
                 model.set_submodule(fqn, _as_linear(model.get_submodule(fqn), MXFP8Linear))
             quantize_(model, self.config, filter_fn=lambda mod, fqn: fqn in chosen)
         else:
-            if not torch.cuda.is_available():
-                skip_torchao_triton_min_max_patch()  # a GPU-only codegen fix whose import costs 0.7 s per rank
-                # oneDNN's float8 matmul on a CPU with AMX took 0.49 s for 256^3 where torch's own took 6.7 ms
-                # (torch 2.13, Xeon with amx_bf16, 2026-11-28): CPU float8 runs (tests) use torch's (process-wide).
-                torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: set as a bool
+            prepare_cpu_float8()
             convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in chosen, config=self.config)
         for fqn, mod in model.named_modules():
             if fqn in chosen:

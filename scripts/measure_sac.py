@@ -52,6 +52,10 @@ def main() -> None:
     if a.recipe != "none":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        from float8.converter import prepare_cpu_float8
+
+        prepare_cpu_float8()  # torch's CPU float8 matmul, as kiln's build uses
+
         convert_to_float8_training(
             model, config=Float8LinearConfig.from_recipe_name(a.recipe), module_filter_fn=lambda m, fqn: fqn != "output"
         )

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import train
 from float8.checks import Float8UsageProbe
+from float8.converter import prepare_cpu_float8
 from kiln_base.config import Float8
 from kiln_base.errors import ConfigError
 from tests.helpers.common import DEBUG_CONFIG, free_port, needs_cpu_rowwise
@@ -20,6 +21,13 @@ from tests.helpers.sac import batch, debug_model, loss_fn
 from trainer import build
 
 ON = Float8(enable_float8_linear=True)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_float8() -> None:
+    """These tests convert with torchao directly: torch's CPU float8 matmul, as kiln's build uses (tests/conftest.py
+    gives each test oneDNN back)."""
+    prepare_cpu_float8()
 
 
 def _probe_first_step(model: nn.Module, cfg: Float8 = ON) -> Float8UsageProbe:

@@ -37,6 +37,10 @@ def debug_model(
     if recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        from float8.converter import prepare_cpu_float8
+
+        prepare_cpu_float8()  # torch's CPU float8 matmul, as kiln's build uses
+
         config = Float8LinearConfig.from_recipe_name(recipe)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn != "output")
     if save_list is not None:

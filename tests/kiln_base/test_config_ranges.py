@@ -4,6 +4,7 @@ boolean or integer, is refused with a line naming the file; through train.py, on
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -63,10 +64,23 @@ def out_of_range(valid: Range | None, tp: type) -> list[Any]:
 BAD_VALUES = [(s, k, v) for s, k, valid, tp in NUMERIC for v in out_of_range(valid, tp)]
 
 
+def toml_literal(value: Any) -> str:
+    """`value` as TOML writes it (nan and inf are TOML floats)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf"
+    return repr(value)
+
+
+@pytest.mark.parametrize("path", ["command line", "TOML"])
 @pytest.mark.parametrize("section,key,value", BAD_VALUES, ids=[f"{s}.{k}={v}" for s, k, v in BAD_VALUES])
-def test_every_out_of_range_value_is_refused(section: str, key: str, value: Any) -> None:
+def test_every_out_of_range_value_is_refused(section: str, key: str, value: Any, path: str, tmp_path: Path) -> None:
+    """The same line whichever way the value comes: the command line, or the TOML file."""
+    argv = [f"--{section}.{key}", str(value)]
+    if path == "TOML":
+        (tmp_path / "c.toml").write_text(f"[{section}]\n{key} = {toml_literal(value)}\n")
+        argv = ["--job.config_file", str(tmp_path / "c.toml")]
     with pytest.raises(ConfigError) as e:
-        parse_args([f"--{section}.{key}", str(value)])
+        parse_args(argv)
     message = str(e.value)
     assert message.startswith(f"{section}.{key} must be ") and message.endswith(f", got {value!r}"), message
 

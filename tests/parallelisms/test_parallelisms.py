@@ -67,6 +67,10 @@ def _build(recipe: str | None, device: str = "meta", fsdp_float8_all_gather: boo
     if recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        from float8.converter import prepare_cpu_float8
+
+        prepare_cpu_float8()  # torch's CPU float8 matmul, as kiln's build uses
+
         config = Float8LinearConfig.from_recipe_name(recipe)
         if recipe == "tensorwise":
             config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)

@@ -188,9 +188,11 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+    from float8.converter import prepare_cpu_float8
     from models import Transformer
     from trainer.components.dist import init_distributed
 
+    prepare_cpu_float8()  # torch's CPU float8 matmul, as kiln's build uses
     init_distributed(60)
     args = ModelArgs(**{**SMALL.__dict__, "vocab_size": 256, "max_seq_len": 16})
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,7 @@ every data-parallel layout, the mix exact to two samples, the loader state one i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -232,8 +233,16 @@ def test_mix_config_from_toml_and_the_command_line(tmp_path: Path) -> None:
     toml.write_text(f'[[training.dataset_mix]]\npath = "{tmp_path / "web"}"\nwieght = 0.7\n')
     with pytest.raises(ConfigError, match="unknown key 'wieght'; did you mean 'weight'"):
         parse_args(["--job.config_file", str(toml)])
-    with pytest.raises(ConfigError, match=r"--training.dataset_mix.weight must be a finite number > 0, got -1.0"):
-        parse_args(["--training.dataset_mix", f"{tmp_path / 'web'}:-1"])
+    # A source's ranges hold whichever way it comes: the same line from the file (named) and the command line.
+    bad = (("-1", "1", "weight", "-1.0"), ("nan", "1", "weight", "nan"), ("1", "-1", "max_epochs", "-1.0"))
+    for weight, epochs, key, got in bad:
+        line = f"training.dataset_mix.{key} must be a finite number > 0, got {got}"
+        source = f'path = "{tmp_path / "web"}"\nweight = {weight}\nmax_epochs = {epochs}\n'
+        toml.write_text(f"[[training.dataset_mix]]\n{source}")
+        with pytest.raises(ConfigError, match=re.escape(f"{toml}: {line}")):
+            parse_args(["--job.config_file", str(toml)])
+        with pytest.raises(ConfigError, match=re.escape(f"--{line}")):
+            parse_args(["--training.dataset_mix", f"{tmp_path / 'web'}:{weight}:{epochs}"])
     with pytest.raises(ConfigError, match="expected PATH:WEIGHT or PATH:WEIGHT:MAX_EPOCHS"):
         parse_args(["--training.dataset_mix", f"{tmp_path / 'web'}"])
 

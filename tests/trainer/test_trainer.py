@@ -15,6 +15,7 @@ import torch
 import trainer.components.metrics as metrics_module
 from kiln_base.config import parse_args
 from tests.helpers.common import DEBUG_CONFIG, open_trainer, run_trainer
+from tests.helpers.step_metrics import StepClock, logged_metrics
 from trainer.components.metrics import format_step_line, peak_flops
 from trainer.components.optim import lr_factor
 from trainer.hooks import compiling_steps
@@ -58,19 +59,6 @@ def grads_seen_by_optimizer(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def logged_metrics(trainer: Trainer) -> list[dict[str, float]]:
-    """The values MetricsLogger.log returns on each log step: the numbers the step line and TensorBoard show."""
-    records: list[dict[str, float]] = []
-    log = trainer.metrics.log
-
-    def recording(*args: Any, **kwargs: Any) -> dict[str, float]:
-        records.append(log(*args, **kwargs))
-        return records[-1]
-
-    trainer.metrics.log = recording
-    return records
-
-
 def total_norm(grads: dict[str, torch.Tensor]) -> float:
     """The gradients' global norm, exactly (float64: torch's float32 norm of a whole tensor is ~1e-4 off)."""
     return sum(float(torch.linalg.vector_norm(g.double()) ** 2) for g in grads.values()) ** 0.5
@@ -85,16 +73,6 @@ def test_debug_model_learns_and_logs_every_step(tmp_path: Path, caplog: pytest.L
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
     assert len(lines) == 25 and all(STEP_LINE.match(line) for line in lines), lines[:2]
     assert "mfu: n/a" in lines[0]  # CPU without metrics.peak_tflops: no fake number
-
-
-class StepClock:
-    """Stands in for time.perf_counter in the metrics module: time moves only when a step runs."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_logged_tps_tflops_mfu_and_eta_are_exact_under_a_controlled_clock(

@@ -1,6 +1,7 @@
-"""A frozen pipeline stage ends the job within the collective timeout: SIGSTOP of one rank of a PP 2 run through
-run_train.sh (comm.train_timeout_seconds 10). gloo's sends and receives wait forever unless given a timeout
-(kiln_base/internals.bound_pipeline_waits); before that, such a job ran until killed from outside."""
+"""A frozen rank ends the job within the collective timeout: SIGSTOP of one rank of a PP 2 run (either stage) or of
+an FSDP 2 run through run_train.sh (comm.train_timeout_seconds 10). gloo's pipeline sends and receives wait forever
+unless given a timeout (kiln_base/internals.bound_pipeline_waits); before that, such a job ran until killed from
+outside."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,15 +28,15 @@ ARGS = (
     *("--job.config_file", DEBUG_CONFIG, "--model.n_layers", "2", "--training.seq_len", "32"),
     *("--training.steps", "100000", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none"),
     *("--metrics.log_freq", "1", "--comm.train_timeout_seconds", str(TIMEOUT_S)),
-    *("--parallelism.pipeline_parallel_degree", "2"),
 )
+PP2 = ("--parallelism.pipeline_parallel_degree", "2")
+FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
+CASES = {"first stage": (PP2, 0), "last stage": (PP2, 1), "fsdp rank 1": (FSDP2, 1)}  # id -> (layout, frozen rank)
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("frozen", [0, 1], ids=["first stage", "last stage"])
-def test_frozen_stage_ends_the_job_within_the_timeout(frozen: int, tmp_path: Path) -> None:
-    proc = start_kiln([*ARGS, "--job.dump_folder", tmp_path], ngpu=2, threads=1, log_rank="0,1", merge_stderr=True)
+def _freeze(layout: tuple[str, ...], frozen: int, dump: Path) -> tuple[int, str, float]:
+    """A 2-rank job whose rank `frozen` is stopped after step 5: its status, its output, the seconds it took to end."""
+    proc = start_kiln([*ARGS, *layout, "--job.dump_folder", dump], ngpu=2, threads=1, log_rank="0,1", merge_stderr=True)
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
     seen: list[str] = []
@@ -60,9 +62,28 @@ def test_frozen_stage_ends_the_job_within_the_timeout(frozen: int, tmp_path: Pat
             proc.kill()
     while (line := lines.get(timeout=60)) is not None:
         seen.append(line)
-    out = "".join(seen)
+    return rc, "".join(seen), took
+
+
+@pytest.fixture(scope="module")
+def frozen_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[tuple[int, str, float]]]:
+    """Every case at once: most of each job's time is waiting (the timeout, torchrun's 30 s), not computing."""
+    pool = ThreadPoolExecutor(len(CASES))
+    jobs = {name: pool.submit(_freeze, *case, tmp_path_factory.mktemp("frozen")) for name, case in CASES.items()}
+    pool.shutdown(wait=False)
+    return jobs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(CASES))
+def test_frozen_rank_ends_the_job_within_the_timeout(
+    case: str, frozen_jobs: dict[str, Future[tuple[int, str, float]]]
+) -> None:
+    rc, out, took = frozen_jobs[case].result()
+    frozen = CASES[case][1]
     errors = [line for line in out.splitlines() if "kiln: error:" in line]
-    print(f"stage {frozen} frozen: the job ended {took:.1f} s later, status {rc}", *errors, sep="\n")
+    print(f"{case} frozen: the job ended {took:.1f} s later, status {rc}", *errors, sep="\n")
     survivor, host = 1 - frozen, socket.gethostname()
     assert rc == 75 and errors, out[-4000:]
     assert re.search(rf"rank {survivor} stopped in step \d+: lost rank {frozen} \(host {host}\); ", errors[0]), out

@@ -1,0 +1,33 @@
+"""Reading the step line's figures under a clock the test controls: the values MetricsLogger.log returns on each log
+step, and a clock that stands in for time.perf_counter in the modules that time the step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+class StepClock:
+    """Stands in for time.perf_counter (monkeypatch a module's `time` with SimpleNamespace(perf_counter=clock)):
+    time moves only when the test moves it (`clock.now += seconds`)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def logged_metrics(trainer: Trainer) -> list[dict[str, float]]:
+    """The values MetricsLogger.log returns on each log step: the numbers the step line and TensorBoard show."""
+    records: list[dict[str, float]] = []
+    log = trainer.metrics.log
+
+    def recording(*args: Any, **kwargs: Any) -> dict[str, float]:
+        records.append(log(*args, **kwargs))
+        return records[-1]
+
+    trainer.metrics.log = recording  # type: ignore[method-assign]
+    return records
