@@ -213,8 +213,9 @@ class Trainer:
                 set_step=lambda step: setattr(self, "step", step),
                 quorum_timeout_seconds=cfg.comm.init_timeout_seconds,
                 init_sync=t.seed is None,  # unseeded groups drew different weights: the first quorum syncs them
+                start_step=self.step,  # the step this group resumed at
+                fragments=self.plan.fragments,
             )
-            self.ft.resume_at(self.step)
         self.skip: NonFiniteSkip | None = None  # training.skip_nonfinite_steps: the guard that skips bad steps
         if t.skip_nonfinite_steps:
             self.skip = NonFiniteSkip(self.device, self.optimizer, self.lr_scheduler, t.steps, t.skip_nonfinite_steps)

@@ -30,6 +30,7 @@ from kiln_base.config.schema import (
     PP_SCHEDULES,
     PP_ZERO_BUBBLE,
     Eval,
+    FaultTolerance,
     Float8,
     JobConfig,
     Model,
@@ -225,11 +226,8 @@ def _check_fault_tolerance(cfg: JobConfig, check_environment: bool) -> None:
         f"fault_tolerance.min_replica_size ({ft.min_replica_size}) must be <= group_size ({ft.group_size}): a step "
         "would never have enough replica groups to commit",
     )
-    _check(
-        ft.semi_sync_method != "diloco",
-        'fault_tolerance.semi_sync_method = "diloco": DiLoCo (its outer optimizer and model fragments) is not '
-        'supported yet (issue 41); "local_sgd" or unset (synchronous) are',
-    )
+    if ft.semi_sync_method == "diloco":
+        _check_diloco(ft)
     _check(
         p.data_parallel_replicate_degree == 1,
         f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} with fault_tolerance.enable: "
@@ -255,6 +253,30 @@ def _check_fault_tolerance(cfg: JobConfig, check_environment: bool) -> None:
         bool(os.environ.get(FT_LIGHTHOUSE_ENV)),
         f"fault_tolerance.enable: {FT_LIGHTHOUSE_ENV} is not set; export {FT_LIGHTHOUSE_ENV}=http://HOST:PORT, the "
         "address of a running torchft_lighthouse (docs/fault_tolerance.md)",
+    )
+
+
+def _check_diloco(ft: FaultTolerance) -> None:
+    """DiLoCo's schedule (torchft's rules): the fragments take turns, one every sync_steps / fragments steps, and a
+    fragment's sync must end before the next begins. The fragments themselves need the model's shape
+    (plan.diloco_fragments)."""
+    given = len(ft.module_fqns_per_model_fragment)
+    _check(
+        not given or ft.num_fragments in (1, given),
+        f"fault_tolerance.num_fragments ({ft.num_fragments}) contradicts module_fqns_per_model_fragment, which lists "
+        f"{given} fragments; drop num_fragments or make it {given}",
+    )
+    n = given or ft.num_fragments
+    _check(
+        ft.sync_steps % n == 0,
+        f"fault_tolerance.sync_steps ({ft.sync_steps}) must be a multiple of the {n} DiLoCo fragments (num_fragments "
+        "or module_fqns_per_model_fragment): each fragment syncs once every sync_steps, in turn",
+    )
+    per = ft.sync_steps // n
+    _check(
+        ft.fragment_sync_delay < per,
+        f"fault_tolerance.fragment_sync_delay ({ft.fragment_sync_delay}) must be below sync_steps / fragments = "
+        f"{ft.sync_steps} / {n} = {per}: a fragment's sync must end before the next fragment's begins",
     )
 
 
@@ -438,6 +460,13 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "_flex/_varlen) or context_parallel_degree 1"
         )
     check_float8_blocks(cfg.float8, shape.n_layers)
+    ft = cfg.fault_tolerance
+    # torchft quantizes pseudo-gradients with triton kernels on the GPU; without them it silently sends them unquantized
+    _check(
+        not (ft.enable and ft.semi_sync_method == "diloco" and ft.should_quantize and device_type != "cuda"),
+        f"fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on {device_type}: "
+        "set it false",
+    )
     if shape.attn_type == "varlen" and device_type != "cuda":
         flavor = cfg.model.flavor
         flex = f"model.flavor {flavor.replace('_varlen', '_flex')}" if "_varlen" in flavor else "a _flex flavor"

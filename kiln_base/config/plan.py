@@ -4,6 +4,7 @@
     Degrees          the mesh's degrees (pp, dp_replicate, dp_shard, cp, tp) for this world; the shard counts
     SequenceSplit    how context parallelism cuts every sequence into chunks, and which a rank holds
     PipelinePlan     the model's pipeline stages, which rank runs which, the schedule and its micro-batches
+    fragments        DiLoCo's model fragments (fault_tolerance), synchronised across replica groups in turn
     RunPlan          all of the above with the gradient accumulation steps (plan_run)
     memory           what a rank holds: training state (16 bytes a parameter / shards), activations, logits, the
                      CP buffers, the dense CPU document mask; check_model_memory and check_memory_budget use it
@@ -26,6 +27,7 @@ from kiln_base.config.schema import (
     BF16_WIRE,
     PP_SCHEDULES,
     ActivationCheckpoint,
+    FaultTolerance,
     JobConfig,
     Parallelism,
     Training,
@@ -306,19 +308,21 @@ def _split_point_stages(points: list[str], n_layers: int) -> list[list[str]]:
     return stages
 
 
-def _check_model_parts(parts: list[list[str]], n_layers: int) -> list[list[str]]:
-    """module_fqns_per_model_part: every module of the model exactly once, in the order the model runs them."""
-    key = "parallelism.module_fqns_per_model_part"
-    if any(not part for part in parts):
-        raise ConfigError(f"{key}: stage {next(i for i, p in enumerate(parts) if not p)} lists no module")
-    flat, whole = [m for part in parts for m in part], whole_model_modules(n_layers)
+def _check_model_parts(
+    parts: list[list[str]], n_layers: int, key: str = "parallelism.module_fqns_per_model_part", part: str = "stage"
+) -> list[list[str]]:
+    """module_fqns_per_model_part (a pipeline's stages) or module_fqns_per_model_fragment (DiLoCo's fragments):
+    every module of the model exactly once, in the order the model runs them."""
+    if any(not p for p in parts):
+        raise ConfigError(f"{key}: {part} {next(i for i, p in enumerate(parts) if not p)} lists no module")
+    flat, whole = [m for p in parts for m in p], whole_model_modules(n_layers)
     if flat != whole:
         wrong = next((f"'{a}' where '{b}' comes" for a, b in zip(flat, whole, strict=False) if a != b), None)
         wrong = wrong or (f"{len(flat)} modules for {len(whole)}")
         raise ConfigError(
-            f"{key}: the stages must list tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output once each, "
+            f"{key}: the {part}s must list tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output once each, "
             f"in this order (the model has {n_layers} blocks); found {wrong} (on the command line: modules by ',', "
-            "stages by ';', e.g. tok_embeddings,layers.0;layers.1,norm,output)"
+            f"{part}s by ';', e.g. tok_embeddings,layers.0;layers.1,norm,output)"
         )
     return parts
 
@@ -407,6 +411,33 @@ def check_pipeline(cfg: JobConfig, shape: ModelShape) -> PipelinePlan | None:
     return pipeline_plan(p, cfg.training.local_batch_size, shape.n_layers)
 
 
+def diloco_fragments(ft: FaultTolerance, shape: ModelShape) -> tuple[tuple[str, ...], ...] | None:
+    """DiLoCo's model fragments, each synchronised in turn (torchtitan's fragment_llm): module_fqns_per_model_fragment
+    as given, else num_fragments parts of torchtitan's even split (the pipeline's: the embedding and norm + output
+    count as one block each); None without DiLoCo. Every parameter must be in exactly one fragment: one left out
+    would never be synchronised and the groups' copies would drift apart for good."""
+    if not (ft.enable and ft.semi_sync_method == "diloco"):
+        return None
+    key = "fault_tolerance.module_fqns_per_model_fragment"
+    given = ft.module_fqns_per_model_fragment
+    n = len(given) or ft.num_fragments
+    if n > 1 and shape.tied:
+        raise ConfigError(
+            f"fault_tolerance.num_fragments {n}: this model ties its output layer to the embedding table (Llama 3.2), "
+            "which DiLoCo's fragments would synchronise twice, from two backups; use num_fragments = 1"
+        )
+    if given:
+        parts = _check_model_parts(given, shape.n_layers, key, "fragment")
+    elif n > shape.n_layers + 2:
+        raise ConfigError(
+            f"fault_tolerance.num_fragments ({n}) exceeds the model's {shape.n_layers} blocks + the embedding + the "
+            f"output: at most {shape.n_layers + 2} fragments"
+        )
+    else:
+        parts = _auto_stages(n, shape.n_layers, 1, 1, key)
+    return tuple(tuple(p) for p in parts)
+
+
 # ----------------------------------------------------------------------------- the run's plan
 
 
@@ -419,6 +450,7 @@ class RunPlan:
     grad_accum_steps: int  # local batches per optimizer step
     pipeline: PipelinePlan | None  # None without pipeline parallelism
     shape: ModelShape
+    fragments: tuple[tuple[str, ...], ...] | None = None  # DiLoCo's model fragments (FQNs); None without DiLoCo
 
 
 def plan_run(cfg: JobConfig, world_size: int, shape: ModelShape) -> RunPlan:
@@ -426,7 +458,8 @@ def plan_run(cfg: JobConfig, world_size: int, shape: ModelShape) -> RunPlan:
     launcher for the whole world before torchrun, each rank before its build, the dry run for its simulated world.
     The device-dependent rules are kiln_base.config.check_parallel_plan's."""
     degrees, accum = check_world(cfg, world_size)
-    return RunPlan(degrees, SequenceSplit.of(cfg.parallelism), accum, check_pipeline(cfg, shape), shape)
+    pipeline, fragments = check_pipeline(cfg, shape), diloco_fragments(cfg.fault_tolerance, shape)
+    return RunPlan(degrees, SequenceSplit.of(cfg.parallelism), accum, pipeline, shape, fragments)
 
 
 # ----------------------------------------------------------------------------- memory per rank

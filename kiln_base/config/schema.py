@@ -629,17 +629,37 @@ class FaultTolerance:
     semi_sync_method: str | None = _f(
         None,
         "Semi-synchronous training: local_sgd (groups train alone, their weights averaged every sync_steps) or diloco "
-        "(not supported yet: issue 41); unset: synchronous.",
+        "(groups train alone; every sync_steps the averaged change of each model fragment is an outer Nesterov SGD "
+        "step, lr 0.7, momentum 0.9, as torchtitan's); unset: synchronous.",
         ("local_sgd", "diloco"),
     )
-    sync_steps: int = _f(5, "local_sgd: optimizer steps between syncs of the weights.", valid=AT_LEAST_1)
-    should_quantize: bool = _f(False, "DiLoCo: quantize the pseudo-gradients before the all-reduce.")
-    fragment_sync_delay: int = _f(
-        0, "DiLoCo: inner steps to wait before blocking on a fragment's sync.", valid=AT_LEAST_0
+    sync_steps: int = _f(
+        5, "local_sgd, diloco: optimizer steps between syncs (of each DiLoCo fragment).", valid=AT_LEAST_1
     )
-    fragment_update_alpha: float = _f(0.0, "DiLoCo: mix of local and global parameters.", valid=FRACTION)
-    num_fragments: int = _f(1, "DiLoCo: model fragments synchronised in turn.", valid=AT_LEAST_1)
-    module_fqns_per_model_fragment: list[list[str]] = _f([], "DiLoCo: the modules of each fragment.")
+    should_quantize: bool = _f(
+        False, "DiLoCo: quantize the pseudo-gradients before the all-reduce (torchft's triton kernels: CUDA only)."
+    )
+    fragment_sync_delay: int = _f(
+        0,
+        "DiLoCo: inner steps between sending a fragment's pseudo-gradient and applying its average (the Streaming "
+        "DiLoCo paper's tau); below sync_steps / fragments.",
+        valid=AT_LEAST_0,
+    )
+    fragment_update_alpha: float = _f(
+        0.0,
+        "DiLoCo: after a fragment's sync, its weights = (1 - alpha) x the new global + alpha x this group's local "
+        "(0: every group takes the global weights).",
+        valid=FRACTION,
+    )
+    num_fragments: int = _f(
+        1,
+        "DiLoCo: model fragments synchronised in turn, one every sync_steps / num_fragments steps (blocks split "
+        "evenly, as torchtitan's).",
+        valid=AT_LEAST_1,
+    )
+    module_fqns_per_model_fragment: list[list[str]] = _f(
+        [], "DiLoCo: the modules of each fragment, every module once (empty: num_fragments even parts)."
+    )
 
 
 @dataclass

@@ -208,7 +208,7 @@ def _compile_components(value: list[str]) -> bool:
 # ----------------------------------------------------------------------------- the table
 
 EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
-DILOCO_ONLY = "read only by DiLoCo, which kiln refuses for now (issue 41)"
+DILOCO_ONLY = "read by DiLoCo (semi_sync_method `diloco`); docs/fault_tolerance.md"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
 MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
 WORKERS_ONLY = "only read with dataloader worker processes (num_workers > 0), which kiln refuses"
@@ -653,9 +653,9 @@ ROWS_LIST: tuple[Key, ...] = (
     honour(
         "fault_tolerance.semi_sync_method",
         ALL,
-        "unset: synchronous; `local_sgd`: LocalSGD; `diloco` refused for now (issue 41)",
+        "unset: synchronous; `local_sgd`: LocalSGD; `diloco`: DiLoCo (torchft's, outer SGD as torchtitan's)",
     ),
-    honour("fault_tolerance.sync_steps", V010, "LocalSGD's steps between syncs"),
+    honour("fault_tolerance.sync_steps", V010, "LocalSGD's and DiLoCo's steps between syncs"),
     *(
         honour(f"fault_tolerance.{key}", V010, DILOCO_ONLY)
         for key in ("should_quantize", "fragment_sync_delay", "fragment_update_alpha")

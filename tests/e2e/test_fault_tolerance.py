@@ -1,10 +1,12 @@
 """Fault tolerance on TorchFT ([fault_tolerance], docs/fault_tolerance.md) through run_train.sh, as users start it:
 two replica groups of 2 gloo ranks each, each its own run_train.sh, and a torchft lighthouse started in this process.
 
-- with no fault the two groups of FSDP 2 give the losses of HSDP 2 x 2 (fp32, deterministic, the same global batch);
+- with no fault the two groups of FSDP 2 give the losses of HSDP 2 x 2 (fp32, deterministic, the same global batch),
+  also with float8 (tensorwise, FSDP float8 all-gather) and compile inside the groups;
 - a group killed with SIGKILL mid-run: the other trains on alone (its step lines stay 1..N, each once), the killed
   group restarted heals from it (weights, optimizer, LR schedule, step) and both finish in step: the same averaged
-  losses and bitwise equal weights in their last checkpoints;
+  losses and bitwise equal weights in their last checkpoints (LocalSGD, DiLoCo: at a sync, of what it synced);
+- DiLoCo with no fault: the groups' weights meet at each sync in torchtitan's outer Nesterov SGD step;
 - each mistake gives its one line (the lighthouse unreachable: within process_group_timeout_ms, not a hang).
 """
 
@@ -136,12 +138,22 @@ def bitwise_equal(a: object, b: object) -> bool:
     return a == b
 
 
+FLOAT8_COMPILE = (
+    *("--float8.enable_float8_linear", "--float8.recipe_name", "tensorwise"),
+    *("--float8.enable_fsdp_float8_all_gather", "--training.compile"),
+)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_groups_without_a_fault_give_hsdp_losses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inside", ["fp32", "float8_compile"])
+def test_two_groups_without_a_fault_give_hsdp_losses(inside: str, tmp_path: Path) -> None:
     """Two groups of FSDP 2 through the lighthouse == HSDP 2 x 2 in one job, within 1e-5 at every step (the
-    lighthouse waits for both groups: a group that came later would heal from the first at its first step)."""
+    lighthouse waits for both groups: a group that came later would heal from the first at its first step); also
+    with float8 (tensorwise, FSDP float8 all-gather) and compile inside each group, as without fault tolerance."""
     steps, tb = ("--training.steps", "5"), ("--metrics.enable_tensorboard",)
+    if inside == "float8_compile":
+        steps += FLOAT8_COMPILE
     hsdp = run_kiln(
         [
             *TINY,
@@ -174,21 +186,35 @@ def test_two_groups_without_a_fault_give_hsdp_losses(tmp_path: Path) -> None:
         for step in want:
             assert abs(got[step]["kiln/loss"] - want[step]["kiln/loss"]) < 1e-5
         assert "2 of 2 replica groups live; global batch 8 sequences" in outputs[g].text
+        if inside == "float8_compile":
+            assert "float8 + compile: inductor tile_reductions on" in outputs[g].text
+            assert re.search(
+                r"float8 in use: FSDP all-gathers [1-9]\d* Float8Linear weights as 1-byte", outputs[g].text
+            )
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["synchronous", "local_sgd"])
+@pytest.mark.parametrize("mode", ["synchronous", "local_sgd", "diloco"])
 def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_path: Path) -> None:
     """Kill group 1 (SIGKILL of its run_train.sh tree) two steps after both groups train together: group 0 trains on
-    alone; group 1 restarted heals from group 0 (synchronous: at its first step; LocalSGD: at its first sync) and both
-    finish in step, with bitwise equal weights in their step-STEPS checkpoints (a sync step under LocalSGD). The
-    survivor trains twice as many steps, so it is still training when the restarted group has started, however slow
-    the machine (a constant lr: the two step counts give the same updates)."""
-    semi_sync = ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3")
+    alone; group 1 restarted heals from group 0 (synchronous: at its first step; LocalSGD, DiLoCo: at its first sync)
+    and both finish in step, with bitwise equal weights in their step-STEPS checkpoints (a sync step under LocalSGD;
+    under DiLoCo with 2 fragments, sync_steps 4, the sync of fragment 0 (tok_embeddings, layers.0): equal there, and
+    fragment 1, synced at step STEPS - 2, apart). The survivor trains twice as many steps, so it is still training
+    when the restarted group has started, however slow the machine (a constant lr: the two step counts give the same
+    updates)."""
+    semi_sync = {
+        "synchronous": (),
+        "local_sgd": ("--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "3"),
+        "diloco": (
+            *("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"),
+            *("--fault_tolerance.num_fragments", "2"),
+        ),
+    }[mode]
     constant_lr = ("--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0")
     run = (
-        *(semi_sync if mode == "local_sgd" else ()),
+        *semi_sync,
         *constant_lr,
         "--training.seq_len",
         "128",
@@ -203,7 +229,7 @@ def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_
     with contextlib.ExitStack() as stack:
         # LocalSGD: a sync waits for the groups that are alive, so that the restarted group meets the survivor at
         # its first sync (a quorum of one would let it train on alone until their syncs coincide)
-        join_ms = 30_000 if mode == "local_sgd" else 1000
+        join_ms = 1000 if mode == "synchronous" else 30_000
         address = stack.enter_context(lighthouse(min_replicas=1, join_timeout_ms=join_ms))
         survivor, rejoining = ("--training.steps", str(2 * STEPS)), ("--training.steps", str(STEPS))
         g0, g1 = (
@@ -234,8 +260,13 @@ def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_
     assert steps_logged(restarted.text)[-1] == STEPS
     folder = tmp_path / "out" / "checkpoint"
     s0, s1 = (trained_state(folder / f"ft_replica_{g}" / f"step-{STEPS}") for g in (0, 1))
-    if mode == "local_sgd":  # each group steps its own AdamW on its own batches; the weights meet at every sync
-        assert all(torch.equal(s0[k], s1[k]) for k in s0 if isinstance(s0[k], torch.Tensor))
+    if mode != "synchronous":  # each group steps its own AdamW on its own batches; the weights meet at every sync
+        fragment_1 = ("layers.1.", "norm.", "output.") if mode == "diloco" else ()
+        weights = [k for k in s0 if isinstance(s0[k], torch.Tensor)]
+        synced = [k for k in weights if not k.startswith(fragment_1)]
+        apart = [k for k in weights if k not in synced]
+        assert "tok_embeddings.weight" in synced and all(torch.equal(s0[k], s1[k]) for k in synced)
+        assert len(apart) == (11 if mode == "diloco" else 0) and not any(torch.equal(s0[k], s1[k]) for k in apart)
         assert not bitwise_equal(s0["optimizer"], s1["optimizer"])
         return
     assert f"replica group 1 rejoined at step {rejoined}" in restarted.text
@@ -275,6 +306,53 @@ def test_semi_sync_groups_train_alone_and_meet_at_every_sync(tmp_path: Path) -> 
         assert weights and all(torch.equal(s0[k], s1[k]) for k in weights) == equal, step
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_diloco_groups_meet_in_torchtitans_outer_nesterov_step(tmp_path: Path) -> None:
+    """semi_sync_method diloco, sync_steps 2, fragment_sync_delay 1 (one fragment: the whole model): each group sends
+    its pseudo-gradient (its weights at the last sync minus its weights now) after its steps 1 and 3 and applies the
+    groups' average at steps 2 and 4. The weights differ after steps 1 and 3 and are bitwise equal after 2 and 4, and
+    they follow torchtitan's outer optimizer (SGD, lr 0.7, momentum 0.9, Nesterov) over the pseudo-gradients averaged
+    across the groups: with M1, M3 the groups' mean weights after steps 1 and 3, the first sync W2 = W0 - 0.7 x 1.9
+    x (W0 - M1) gives the first pseudo-gradient (M1 - W2) / 0.33 without the initial W0, and torch's SGD, stepped on it
+    and then on W2 - M3, must give W4.
+    Then both groups stop after step 5 (apart: between syncs) and resume from their checkpoints at once: DiLoCo's
+    outer state is not in them, so at the first sync's quorum (after step 6) one group heals from the other: their
+    weights are bitwise equal from then on (steps 6 and 7)."""
+    run = (
+        *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path / "out")),
+        *("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"),
+        *("--fault_tolerance.fragment_sync_delay", "1"),
+    )
+    outputs = []
+    for steps in (5, 7):
+        with lighthouse(min_replicas=2) as address:
+            outputs = [Output(start_group(g, address, tmp_path, *run, "--training.steps", str(steps))) for g in (0, 1)]
+            assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
+        if steps == 5:
+            assert losses_logged(outputs[0].text)[1] != losses_logged(outputs[1].text)[1]
+            assert "the sync before step 2: 2 of 2 replica groups live" in outputs[0].text  # its quorum: after step 1
+    assert sum("healed from a live replica group: weights, optimizer and lr of step 6" in o.text for o in outputs) == 1
+    folder = tmp_path / "out" / "checkpoint"
+    states = {s: [trained_state(folder / f"ft_replica_{g}" / f"step-{s}") for g in (0, 1)] for s in range(1, 8)}
+    weights = [k for k, v in states[1][0].items() if isinstance(v, torch.Tensor)]
+    assert "tok_embeddings.weight" in weights and "output.weight" in weights
+    for step in range(1, 8):
+        a, b = states[step]
+        assert all(torch.equal(a[k], b[k]) for k in weights) == (step in (2, 4, 6, 7)), step
+    for k in weights:
+        (m1, m3), w2 = ((states[s][0][k] + states[s][1][k]) / 2 for s in (1, 3)), states[2][0][k]
+        first = (m1 - w2) / (0.7 * 1.9 - 1)
+        param = torch.nn.Parameter(m1 + first)  # W0
+        outer = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+        param.grad = first
+        outer.step()
+        torch.testing.assert_close(param.data, w2, rtol=0, atol=2e-6)
+        param.grad = w2 - m3
+        outer.step()  # the second outer step moves the weights by ~1e-3; rounding of the above: < 5e-7
+        torch.testing.assert_close(param.data, states[4][0][k], rtol=0, atol=2e-6, msg=k)
+
+
 # ----------------------------------------------------------------------------- mistakes, one line each
 
 
@@ -292,9 +370,9 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
         ),
         (("--fault_tolerance.group_size", "0"), {}, "fault_tolerance.group_size must be the number of replica groups"),
         (
-            ("--fault_tolerance.semi_sync_method", "diloco"),
+            ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.should_quantize"),
             {},
-            'semi_sync_method = "diloco": DiLoCo (its outer optimizer and model fragments) is not supported yet',
+            "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
         ),
         (
             ("--parallelism.pipeline_parallel_degree", "2"),
@@ -309,7 +387,7 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
         (("--parallelism.data_parallel_replicate_degree", "2"), {}, "the replica groups are the replicate dimension"),
         ((), {"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
     ],
-    ids=["replica_id", "group_size", "semi_sync", "pp", "cp", "dp_replicate", "no_lighthouse_env"],
+    ids=["replica_id", "group_size", "diloco_quantize", "pp", "cp", "dp_replicate", "no_lighthouse_env"],
 )
 def test_mistakes_are_one_line_before_any_rank(
     extra: tuple[str, ...], env: dict[str, str], needle: str, tmp_path: Path

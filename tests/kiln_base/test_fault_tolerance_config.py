@@ -1,5 +1,7 @@
 """[fault_tolerance] as torchtitan spells it: a torchtitan TOML with the section runs as it is (kiln's keys, the same
-names and meanings), and each combination kiln's synchronous mode does not run is one ConfigError naming the key."""
+names and meanings), and each combination kiln does not run is one ConfigError naming the key: the synchronous mode's
+here, DiLoCo's schedule and fragments through the launcher's check (train.check_config: what run_train.sh runs before
+torchrun, one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln_base.config import parse_args
+import train
+from kiln_base.config import ModelShape, diloco_fragments, parse_args
 from kiln_base.errors import ConfigError
 
 TORCHTITAN_FT = """
@@ -52,10 +55,6 @@ def test_a_torchtitan_fault_tolerance_section_runs_as_it_is(tmp_path: Path, monk
             "fault_tolerance.replica_id must be in [0, group_size) = [0, 3), got 3",
         ),
         (["--fault_tolerance.min_replica_size", "4"], "fault_tolerance.min_replica_size (4) must be <= group_size (3)"),
-        (
-            ["--fault_tolerance.semi_sync_method", "diloco"],
-            '"diloco": DiLoCo (its outer optimizer and model fragments)',
-        ),
         (["--fault_tolerance.process_group", "mpi"], "fault_tolerance.process_group"),
         (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree = 2: not supported"),
     ],
@@ -76,3 +75,84 @@ def test_the_fault_tolerance_keys_ask_nothing_while_it_is_off(monkeypatch: pytes
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     cfg = parse_args(["--fault_tolerance.group_size", "0", "--fault_tolerance.semi_sync_method", "diloco"])
     assert not cfg.fault_tolerance.enable
+
+
+E, N = "tok_embeddings", ("norm", "output")
+# sync_steps 4: one or two fragments fit (2 blocks + the embedding + the output: at most 4 fragments)
+DILOCO = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4", "--model.n_layers", "2"]
+
+
+def _diloco(debug_config: str, *argv: str) -> list[str]:
+    ft = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2")
+    return ["--job.config_file", debug_config, *ft, *DILOCO, *argv]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        ([], ((E, "layers.0", "layers.1", *N),)),
+        # torchtitan's even split (generate_llm_fqn_per_model_part(n, 2 blocks, 1, 1), v0.2.2): the embedding and
+        # norm + output count as a block each, the first fragments take one more
+        (["--fault_tolerance.num_fragments", "2"], ((E, "layers.0"), ("layers.1", *N))),
+        (
+            ["--fault_tolerance.num_fragments", "3", "--fault_tolerance.sync_steps", "6"],
+            ((E, "layers.0"), ("layers.1",), N),
+        ),
+        (
+            ["--fault_tolerance.module_fqns_per_model_fragment", "tok_embeddings;layers.0,layers.1,norm,output"],
+            ((E,), ("layers.0", "layers.1", *N)),
+        ),
+    ],
+    ids=["whole", "two", "three", "listed"],
+)
+def test_diloco_fragments_are_torchtitans(
+    argv: list[str], fragments: tuple, debug_config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+    cfg = train.check_config(_diloco(debug_config, *argv), world_size=2)
+    assert cfg is not None
+    assert diloco_fragments(cfg.fault_tolerance, ModelShape(256, 2, 16, 16, 768, 2256)) == fragments
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--fault_tolerance.num_fragments", "3", "--fault_tolerance.module_fqns_per_model_fragment", "a;b"],
+            "fault_tolerance.num_fragments (3) contradicts module_fqns_per_model_fragment, which lists 2 fragments",
+        ),
+        (
+            ["--fault_tolerance.num_fragments", "2", "--fault_tolerance.sync_steps", "5"],
+            "fault_tolerance.sync_steps (5) must be a multiple of the 2 DiLoCo fragments",
+        ),
+        (
+            ["--fault_tolerance.num_fragments", "2", "--fault_tolerance.fragment_sync_delay", "2"],
+            "fault_tolerance.fragment_sync_delay (2) must be below sync_steps / fragments = 4 / 2 = 2",
+        ),
+        (
+            ["--fault_tolerance.module_fqns_per_model_fragment", "tok_embeddings,layers.0;layers.1,norm"],
+            "fault_tolerance.module_fqns_per_model_fragment: the fragments must list tok_embeddings, layers.0 .. "
+            "layers.1, norm, output once each",
+        ),
+        (
+            ["--fault_tolerance.num_fragments", "5", "--fault_tolerance.sync_steps", "5"],
+            "fault_tolerance.num_fragments (5) exceeds the model's 2 blocks + the embedding + the output",
+        ),
+        (
+            ["--fault_tolerance.num_fragments", "2", "--model.flavor", "3.2-1B"],
+            "this model ties its output layer to the embedding table (Llama 3.2), which DiLoCo's fragments",
+        ),
+        (
+            ["--fault_tolerance.should_quantize"],
+            "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
+        ),
+    ],
+    ids=["num_fragments", "sync_steps", "delay", "fqns", "too_many", "tied", "quantize"],
+)
+def test_diloco_mistakes_are_one_line_in_the_launcher(
+    argv: list[str], message: str, debug_config: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+    assert train.check_config(_diloco(debug_config, *argv), world_size=2) is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kiln: error: ") and message in line, line

@@ -10,7 +10,10 @@ whether the step may be applied: when a group died during the step the all-reduc
 the next quorum goes on without the dead group (a smaller global batch).
 
 With semi_sync_method local_sgd the groups step alone and torchft's LocalSGD, hooked on the optimizer, meets them every
-sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups.
+sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups. With diloco
+torchft's DiLoCo meets them every sync_steps / fragments steps, one model fragment (the plan's) at a time: a quorum,
+then the fragment's pseudo-gradient (its weights at its last sync minus this group's weights now) averaged over the
+live groups and applied to the last sync's weights by an outer Nesterov SGD (torchtitan's: lr 0.7, momentum 0.9).
 
 torchft is imported only here and only with fault_tolerance.enable (pip install -e '.[ft]').
 docs/fault_tolerance.md says how to launch a job and what happens to a group's samples while it is down.
@@ -19,6 +22,7 @@ docs/fault_tolerance.md says how to launch a job and what happens to a group's s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -76,6 +80,8 @@ class ReplicaGroup:
         set_step: Callable[[int], None],
         quorum_timeout_seconds: int,
         init_sync: bool,
+        start_step: int,
+        fragments: tuple[tuple[str, ...], ...] | None = None,
     ) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum and commit at info
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # kiln's own lines say what changed
@@ -110,13 +116,14 @@ class ReplicaGroup:
             quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
             connect_timeout=timeout,
             replica_id=f"kiln_ft_{ft.replica_id}",
-            init_sync=init_sync,
+            # DiLoCo resumed from this group's checkpoint: its first quorum syncs it (see _diloco)
+            init_sync=init_sync or (ft.semi_sync_method == "diloco" and start_step > 0),
         )
         self.participants = 0
         self.committed = True
-        # semi_sync_method local_sgd: torchft's LocalSGD hooks on the optimizer, as long as this group lives: every
-        # sync_steps optimizer steps a quorum (a restarted group heals there) and the weights averaged over the live
-        # groups.
+        # semi_sync_method local_sgd / diloco: torchft's LocalSGD / DiLoCo hooks on the optimizer, as long as this group
+        # lives: at every sync a quorum (a restarted group heals there), then the weights (LocalSGD) or a fragment's
+        # pseudo-gradient (DiLoCo) averaged over the live groups.
         self.semi_sync = contextlib.ExitStack()
         if ft.semi_sync_method == "local_sgd":
             from torchft.local_sgd import LocalSGD
@@ -127,7 +134,46 @@ class ReplicaGroup:
                 optimizer.register_step_post_hook(lambda *_: self.resume_at(self.get_step())).remove
             )
             self.semi_sync.enter_context(LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps))
+        elif ft.semi_sync_method == "diloco":
+            assert fragments, "the plan's DiLoCo fragments (kiln_base.config.plan.diloco_fragments)"
+            self.semi_sync.enter_context(self._diloco(fragments, resumed=start_step > 0))
+        self.resume_at(start_step)
         self.error: str | None = None
+
+    def _diloco(self, fragments: tuple[tuple[str, ...], ...], resumed: bool) -> Any:
+        """torchft's DiLoCo on the optimizer, one fragment (a module dict of the model's modules, the same parameters)
+        and one outer optimizer per fragment of the plan."""
+        from torchft.local_sgd import DiLoCo
+
+        ft = self.ft
+        parts = [nn.ModuleDict({fqn.replace(".", "_"): self.model.get_submodule(fqn) for fqn in f}) for f in fragments]
+        per = ft.sync_steps // len(parts)
+        first_quorum = per - ft.fragment_sync_delay  # DiLoCo's: this process's optimizer steps before it
+        calls = itertools.count(1)
+
+        def sync_count(*_: Any) -> None:
+            """Before DiLoCo's hook: the quorum compares the syncs the training step implies (step s ends sync
+            (s - 1) // per; DiLoCo picks its fragment from that count), not the syncs this process made: a restarted
+            group, behind the others whatever it did alone, heals at its first sync, then picks the others' fragment.
+            A group resumed from its own checkpoint has no outer state (each fragment's weights at its last sync, the
+            outer momentum: not in kiln's checkpoints): up to its first quorum it claims sync 0, so that it heals there
+            from a live group, or, when every group resumed at once, all from one of them (init_sync)."""
+            first = next(calls) <= first_quorum
+            self.resume_at(0 if resumed and first else (self.get_step() - 1) // per)
+
+        self.semi_sync.callback(self.optimizer.register_step_post_hook(sync_count).remove)
+        # torchtitan's outer optimizer (torchtitan/components/ft/manager.py, v0.2.2): the DiLoCo paper's choice
+        outer = [torch.optim.SGD(p.parameters(), lr=0.7, momentum=0.9, nesterov=True) for p in parts]
+        return DiLoCo(
+            self.manager,
+            parts,
+            self.optimizer,
+            outer,
+            sync_every=ft.sync_steps,
+            should_quantize=ft.should_quantize,
+            fragment_sync_delay=ft.fragment_sync_delay,
+            fragment_update_alpha=ft.fragment_update_alpha,
+        )
 
     # ------------------------------------------------------------------ what a healing group receives
 
@@ -178,8 +224,8 @@ class ReplicaGroup:
         return self.ft.semi_sync_method is None
 
     def resume_at(self, step: int) -> None:
-        """The training step the next quorum compares (after a resume from this group's own checkpoint; under
-        LocalSGD before each sync)."""
+        """The step the next quorum compares: the training step (after a resume from this group's own checkpoint;
+        under LocalSGD before each sync), under DiLoCo the sync count."""
         self.manager.load_state_dict({**self.manager.state_dict(), "step": step})
 
     def start_step(self, group_batch: int) -> None:
