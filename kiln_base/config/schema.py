@@ -648,8 +648,8 @@ class FaultTolerance:
     fragment_update_alpha: float = _f(
         0.0,
         "DiLoCo: after a fragment's sync, its weights = (1 - alpha) x the new global + alpha x this group's local "
-        "(0: every group takes the global weights).",
-        valid=FRACTION,
+        "(0: every group takes the global weights; below 1).",
+        valid=Range(lo=0, hi=1, hi_open=True, note="1 keeps each group's own weights: they would never meet"),
     )
     num_fragments: int = _f(
         1,

@@ -8,6 +8,7 @@ two replica groups of 2 gloo ranks each, each its own run_train.sh, and a torchf
   losses and bitwise equal weights in their last checkpoints (LocalSGD, DiLoCo: at a sync, of what it synced);
 - DiLoCo with no fault: the groups' weights meet at each sync in torchtitan's outer Nesterov SGD step;
 - each mistake gives its one line (the lighthouse unreachable: within process_group_timeout_ms, not a hang).
+- a group that joins with other DiLoCo settings than the live group's is refused with one line where it heals.
 """
 
 from __future__ import annotations
@@ -351,6 +352,37 @@ def test_diloco_groups_meet_in_torchtitans_outer_nesterov_step(tmp_path: Path) -
         param.grad = w2 - m3
         outer.step()  # the second outer step moves the weights by ~1e-3; rounding of the above: < 5e-7
         torch.testing.assert_close(param.data, states[4][0][k], rtol=0, atol=2e-6, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_group_started_with_other_diloco_settings_is_refused_where_it_heals(tmp_path: Path) -> None:
+    """Group 0 runs DiLoCo with sync_steps 2; group 1 joins it with sync_steps 4 (a group restarted with another
+    schedule): at its first sync it is behind and heals from group 0, sees the other setting and stops with one line
+    (exit 2) instead of taking group 0's weights at every sync and training on as if it belonged to the job."""
+    diloco = ("--fault_tolerance.semi_sync_method", "diloco", "--job.dump_folder", str(tmp_path / "out"))
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(lighthouse(min_replicas=1, join_timeout_ms=30_000))
+        steps = ("--training.steps", "100000", "--lr_scheduler.warmup_steps", "0")  # alive until group 1 is refused
+        env = {"TORCHFT_LIGHTHOUSE": address}
+        live = Output(
+            start_kiln(
+                ft_args(0, *diloco, "--fault_tolerance.sync_steps", "2", *steps),
+                **dict(ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True),
+            )
+        )
+        stack.callback(lambda: os.killpg(live.proc.pid, signal.SIGKILL))
+        live.wait_for(r"step:\s+3\s")
+        other = ft_args(1, *diloco, "--fault_tolerance.sync_steps", "4")
+        joining = Output(start_kiln(other, ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True))
+        assert joining.finish() == 2, joining.text[-4000:]
+    errors = [line for line in joining.text.splitlines() if "kiln: error:" in line]
+    assert errors == [
+        "kiln: error: fault_tolerance.sync_steps is 4 in replica group 1 but 2 in the live group it heals from: every "
+        "group of a job must run the same; start this group again with 2 (or stop every group and start them all "
+        "with one value)"
+    ], joining.text[-4000:]
+    assert "Traceback" not in joining.text and "healed from a live replica group" not in joining.text
 
 
 # ----------------------------------------------------------------------------- mistakes, one line each

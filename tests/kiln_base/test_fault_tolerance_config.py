@@ -146,8 +146,13 @@ def test_diloco_fragments_are_torchtitans(
             ["--fault_tolerance.should_quantize"],
             "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
         ),
+        (  # lerp to the group's own weights: the average is thrown away at every sync, the groups never meet
+            ["--fault_tolerance.fragment_update_alpha", "1.0"],
+            "fault_tolerance.fragment_update_alpha must be in [0, 1) (1 keeps each group's own weights: they would "
+            "never meet), got 1.0",
+        ),
     ],
-    ids=["num_fragments", "sync_steps", "delay", "fqns", "too_many", "tied", "quantize"],
+    ids=["num_fragments", "sync_steps", "delay", "fqns", "too_many", "tied", "quantize", "alpha_1"],
 )
 def test_diloco_mistakes_are_one_line_in_the_launcher(
     argv: list[str], message: str, debug_config: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture

@@ -67,6 +67,20 @@ def _local(value: Any) -> Any:
     return value
 
 
+def shared_settings(ft: FaultTolerance, fragments: tuple[tuple[str, ...], ...] | None) -> dict[str, Any]:
+    """What every replica group of a job must run alike (a healing group compares its own with its peer's): the
+    number of groups and the semi-synchronous schedule (DiLoCo's resolved fragments, whichever key gave them)."""
+    key = "fault_tolerance."
+    settings: dict[str, Any] = {f"{key}group_size": ft.group_size, f"{key}semi_sync_method": ft.semi_sync_method}
+    if ft.semi_sync_method is not None:
+        settings[f"{key}sync_steps"] = ft.sync_steps
+    if ft.semi_sync_method == "diloco":
+        settings[f"{key}module_fqns_per_model_fragment"] = [list(f) for f in fragments or ()]
+        for name in ("fragment_sync_delay", "fragment_update_alpha", "should_quantize"):
+            settings[f"{key}{name}"] = getattr(ft, name)
+    return settings
+
+
 class ReplicaGroup:
     """This rank's member of the TorchFT job: the Manager, the step's quorum, the gradient average and the commit."""
 
@@ -90,6 +104,7 @@ class ReplicaGroup:
         from torchft._torchft import LighthouseClient
 
         self.ft, self.model, self.optimizer, self.lr_scheduler = ft, model, optimizer, lr_scheduler
+        self.settings = shared_settings(ft, fragments)
         self.get_step, self.set_step = get_step, set_step
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         lighthouse = os.environ[LIGHTHOUSE_ENV]
@@ -183,12 +198,21 @@ class ReplicaGroup:
             "optimizer": _local(self.optimizer.state_dict()),
             "lr_scheduler": _local(self.lr_scheduler.state_dict()),
             "step": self.get_step(),
+            "settings": self.settings,
         }
 
     @torch.no_grad()
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         """A live peer's state, copied into this rank's shards (the same layout: the same rank of a group of the
-        same shape), bitwise."""
+        same shape), bitwise. A peer that runs other settings (a group restarted with another sync_steps, say) is
+        refused: this group would take its weights at every sync and train on as if it belonged to the job."""
+        for key, theirs in state["settings"].items():
+            if self.settings[key] != theirs:
+                raise ConfigError(
+                    f"{key} is {self.settings[key]} in replica group {self.ft.replica_id} but {theirs} in the live "
+                    "group it heals from: every group of a job must run the same; start this group again with "
+                    f"{theirs} (or stop every group and start them all with one value)"
+                )
         ours = self.model.state_dict()
         for key, value in state["model"].items():
             target = ours[key]
