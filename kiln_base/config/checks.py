@@ -228,6 +228,13 @@ def _check_fault_tolerance(cfg: JobConfig, check_environment: bool) -> None:
     )
     if ft.semi_sync_method == "diloco":
         _check_diloco(ft)
+    steps = cfg.training.steps
+    _check(
+        ft.semi_sync_method is None or ft.sync_steps <= steps,
+        f"fault_tolerance.sync_steps ({ft.sync_steps}) exceeds training.steps ({steps}): under {ft.semi_sync_method} "
+        f"the groups' weights would not all meet even once (the whole model has synced first after step sync_steps); "
+        f"use sync_steps <= {steps}",
+    )
     _check(
         p.data_parallel_replicate_degree == 1,
         f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} with fault_tolerance.enable: "

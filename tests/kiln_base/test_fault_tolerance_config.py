@@ -151,8 +151,13 @@ def test_diloco_fragments_are_torchtitans(
             "fault_tolerance.fragment_update_alpha must be in [0, 1) (1 keeps each group's own weights: they would "
             "never meet), got 1.0",
         ),
+        (  # the second fragment would never sync: the groups' copies of it would train apart to the end
+            ["--fault_tolerance.num_fragments", "2", "--training.steps", "3"],
+            "fault_tolerance.sync_steps (4) exceeds training.steps (3): under diloco the groups' weights would not "
+            "all meet even once",
+        ),
     ],
-    ids=["num_fragments", "sync_steps", "delay", "fqns", "too_many", "tied", "quantize", "alpha_1"],
+    ids=["num_fragments", "sync_steps", "delay", "fqns", "too_many", "tied", "quantize", "alpha_1", "steps"],
 )
 def test_diloco_mistakes_are_one_line_in_the_launcher(
     argv: list[str], message: str, debug_config: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
