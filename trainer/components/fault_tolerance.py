@@ -81,6 +81,12 @@ def shared_settings(ft: FaultTolerance, fragments: tuple[tuple[str, ...], ...] |
     return settings
 
 
+def _why(error: Any) -> str:
+    """The first words of a failed collective's error (torchft's ExceptionWithTraceback); gloo's: "[.../pair.cc:537]
+    Read error [host]:port: Connection reset by peer. ..." -> "Read error [host]:port: Connection reset by peer"."""
+    return str(error.original_exception).splitlines()[0].rpartition("] ")[2].split(". ")[0]
+
+
 class ReplicaGroup:
     """This rank's member of the TorchFT job: the Manager, the step's quorum, the gradient average and the commit."""
 
@@ -98,8 +104,9 @@ class ReplicaGroup:
         fragments: tuple[tuple[str, ...], ...] | None = None,
     ) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum and commit at info
-        for name in ("torchft", "torchft_quorums", "torchft_commits"):  # kiln's own lines say what changed
-            logging.getLogger(name).setLevel(logging.ERROR)
+        # kiln's own lines say what changed and what failed (torchft logs a traceback per failed all-reduce at ERROR)
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft._torchft import LighthouseClient
 
@@ -152,8 +159,21 @@ class ReplicaGroup:
         elif ft.semi_sync_method == "diloco":
             assert fragments, "the plan's DiLoCo fragments (kiln_base.config.plan.diloco_fragments)"
             self.semi_sync.enter_context(self._diloco(fragments, resumed=start_step > 0))
+        if not self.synchronous:  # after LocalSGD's / DiLoCo's hook: whether the sync it just ran failed
+            self.failed: object = None
+            self.semi_sync.callback(self.optimizer.register_step_post_hook(self._log_failed_sync).remove)
         self.resume_at(start_step)
-        self.error: str | None = None
+
+    def _log_failed_sync(self, *_: Any) -> None:
+        """A semi-synchronous sync whose all-reduce failed (a group died in it): once per failure, as should_commit
+        says it of a synchronous step."""
+        error = self.manager.errored()
+        if error is not None and error is not self.failed:
+            self.failed = error
+            logger.warning(
+                f"fault tolerance: the sync in step {self.get_step()} failed ({_why(error)}); not applied, the next "
+                "sync goes on without the lost replica group"
+            )
 
     def _diloco(self, fragments: tuple[tuple[str, ...], ...], resumed: bool) -> Any:
         """torchft's DiLoCo on the optimizer, one fragment (a module dict of the model's modules, the same parameters)
@@ -300,9 +320,7 @@ class ReplicaGroup:
         self.committed = self.manager.should_commit()
         if not self.committed:
             error = self.manager.errored()
-            why = "too few replica groups live (fault_tolerance.min_replica_size)"
-            if error is not None:  # gloo's: "[.../pair.cc:537] Read error [host]:port: Connection reset by peer. ..."
-                why = str(error.original_exception).splitlines()[0].rpartition("] ")[2].split(". ")[0]
+            why = "too few replica groups live (fault_tolerance.min_replica_size)" if error is None else _why(error)
             logger.warning(
                 f"fault tolerance: step {self.get_step()} not committed ({why}); the next quorum goes on without "
                 "the lost replica group"
