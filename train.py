@@ -181,11 +181,28 @@ def _run(argv: list[str] | None, started: list) -> int:
             if lost is None:  # no rank is gone: not a lost peer, the traceback is the report
                 raise
             raise PeersLost(*lost) from None
+        except TimeoutError:  # torchft's quorum: no answer within comm.init_timeout_seconds
+            if trainer.ft is None:
+                raise
+            raise PeersLost(*_no_quorum(trainer)) from None
         finally:
             trainer.close()  # a background save that fails here (a full disk) is a KilnExit too
     except KilnExit as e:  # a user mistake met mid-run, a non-finite loss, a SIGTERM stop, lost ranks
         return report(e)
     return DONE
+
+
+def _no_quorum(trainer: Trainer) -> tuple[str, str]:
+    """One line when a fault-tolerance quorum timed out: the lighthouse is gone (or fewer groups than its
+    --min_replicas reach it); and what was lost, for the launcher."""
+    rank, address = int(os.environ.get("RANK", 0)), os.environ.get("TORCHFT_LIGHTHOUSE")
+    timeout = trainer.cfg.comm.init_timeout_seconds  # torchft's error says only "Timeout expired"
+    line = (
+        f"rank {rank} stopped in step {trainer.step}: no fault-tolerance quorum within comm.init_timeout_seconds = "
+        f"{timeout} s: the lighthouse at TORCHFT_LIGHTHOUSE={address} is down, or fewer groups than its "
+        "--min_replicas reach it; start it again, then the groups (each resumes from its newest complete checkpoint)"
+    )
+    return line, f"the torchft lighthouse at {address} (rank {rank} found out in step {trainer.step})"
 
 
 def _lost_peers(trainer: Trainer, e: Exception) -> tuple[str, str] | None:

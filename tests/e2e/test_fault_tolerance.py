@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -383,6 +384,42 @@ def test_a_group_started_with_other_diloco_settings_is_refused_where_it_heals(tm
         "with one value)"
     ], joining.text[-4000:]
     assert "Traceback" not in joining.text and "healed from a live replica group" not in joining.text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_lighthouse_gone_mid_run_is_one_line_after_the_quorum_timeout(tmp_path: Path) -> None:
+    """The lighthouse (torchft_lighthouse, its own process) killed while a group trains: the group's next quorum
+    times out after comm.init_timeout_seconds and it stops with one line, exit 75 (lost), its checkpoint kept; not
+    torchft's traceback and exit 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        ["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", "100", "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    with contextlib.ExitStack() as stack:
+        stack.callback(server.kill)
+        run = ("--training.steps", "100000", "--comm.init_timeout_seconds", "10", "--job.dump_folder", str(tmp_path))
+        args = [*ft_args(0, *run, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "5")]
+        args[args.index("--fault_tolerance.group_size") + 1] = "1"
+        env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
+        group = Output(start_kiln(args, ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True))
+        stack.callback(lambda: group.proc.poll() is None and os.killpg(group.proc.pid, signal.SIGKILL))
+        group.wait_for(r"Saved checkpoint .*step-5 ")
+        server.kill()
+        assert group.finish(timeout=120) == 75, group.text[-4000:]
+    lines = [line for line in group.text.splitlines() if "kiln: error:" in line]
+    assert len(lines) == 2 and "Traceback" not in group.text, group.text[-4000:]
+    assert re.search(
+        r"^\[rank0\]:kiln: error: rank 0 stopped in step \d+: no fault-tolerance quorum within "
+        rf"comm.init_timeout_seconds = 10 s: the lighthouse at TORCHFT_LIGHTHOUSE=http://localhost:{port} is down",
+        lines[0],
+    ), lines
+    assert lines[1].startswith(f"kiln: error: the job lost the torchft lighthouse at http://localhost:{port}"), lines
+    assert (tmp_path / "checkpoint" / "ft_replica_0" / "step-5").is_dir()
 
 
 # ----------------------------------------------------------------------------- mistakes, one line each
