@@ -396,10 +396,10 @@ def test_kill_9_of_one_rank_names_that_rank_only(tmp_path: Path) -> None:
     lines = [line for line in out.splitlines() if "kiln: error:" in line]
     assert rc == 75 and lines, out[-4000:]
     host = socket.gethostname()
-    # The ranks that found out, each before torchrun stopped it, name rank 3; one may also name a peer that
-    # torchrun stopped before it marked itself leaving (a race seen once in ~6 runs: "lost ranks 1, 3"). The job's
-    # verdict is the launcher's last line, from the ranks' exit statuses: rank 3 alone.
-    named = rf"rank [012] stopped in step \d+: lost ranks? (\d, )*3 \(host {host}\); a collective failed"
+    # The ranks that found out, each before torchrun stopped it, name rank 3 alone: a peer torchrun stops by SIGTERM
+    # marks itself leaving first (without that, "lost ranks 1, 3" in 2 of 8 runs). The launcher's last line, from
+    # the ranks' exit statuses, names rank 3 too.
+    named = rf"rank [012] stopped in step \d+: lost rank 3 \(host {host}\); a collective failed"
     for line in lines[:-1]:
         assert re.search(named, line), out[-4000:]
     assert lines[-1] == (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -70,7 +71,8 @@ class PeerWatch:
     `interval` seconds from a daemon thread: one small TCP request per rank per second, off the training thread.
     After a collective failed, `lost_ranks` reads every counter, waits `grace` seconds and reads them again: the
     ranks whose counter did not move are gone (killed, or their node is down or cut off). A survivor still
-    blocked in a collective keeps beating (its thread is not blocked), so it is never named.
+    blocked in a collective keeps beating (its thread is not blocked), so it is never named; nor is a rank ended
+    by SIGTERM (torchrun stops the others so once one rank has failed): its handler marks it leaving first.
     """
 
     def __init__(self, rank: int, world_size: int, interval: float = 1.0, grace: float = 5.0) -> None:
@@ -88,6 +90,12 @@ class PeerWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="kiln-peer-watch", daemon=True)
         self._thread.start()
+        # Outside the training loop (whose StopOnSignal saves and stops instead) a SIGTERM ends the rank at once, as
+        # before, but alive: between a failed collective and `leave`, torchrun's SIGTERM once made a survivor look
+        # dead to the ranks still looking ("lost ranks 1, 3" after kill -9 of rank 3).
+        self._owns_sigterm = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        if self._owns_sigterm:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._leave_on_sigterm)
 
     @classmethod
     def maybe_start(cls) -> PeerWatch | None:
@@ -131,6 +139,11 @@ class PeerWatch:
         except (RuntimeError, dist.DistError):  # the store is gone: nobody is left to ask
             pass
 
+    def _leave_on_sigterm(self, signum: int, frame: object) -> None:
+        self.leave()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: the status torchrun reads is "killed by SIGTERM"
+
     def describe(self, lost: list[int] | None) -> str:
         """ "lost ranks 2, 3 (node 1, host gpu7)"; what an unreachable store means when `lost` is None."""
         if lost is None:
@@ -146,5 +159,7 @@ class PeerWatch:
         return "lost " + "; ".join(parts)
 
     def close(self) -> None:
+        if self._owns_sigterm and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)
         self._stop.set()
         self._thread.join(timeout=self.interval + 1)
