@@ -5,6 +5,7 @@ the small debug model, and Trainers that are always closed. The same helpers are
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,12 @@ from tests.helpers.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
+
+# A suite started in the background by a script (`pytest ... &` in a non-interactive shell, nohup) inherits SIGINT
+# ignored, and so would every kiln process it starts: the Ctrl-C test waited out its 600 s timeout. Start them as a
+# terminal would (an exec'd child gets the default action for a signal caught here, but keeps an ignored one).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
