@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import signal
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -61,16 +62,27 @@ class Run:
             lines.put(line)
         lines.put(None)
 
+    def _give_up(self, what: str) -> AssertionError:
+        """Kill the run: a run left training after its test failed loads the cores under every test after it."""
+        self.proc.kill()
+        return AssertionError(f"{what} after {TIMEOUT} s: {''.join(self.stderr)[-3000:]}")
+
     def wait_for(self, text: str) -> None:
         while True:
-            line = self.lines.get(timeout=TIMEOUT)
+            try:
+                line = self.lines.get(timeout=TIMEOUT)
+            except queue.Empty:
+                raise self._give_up(f"no {text!r}") from None
             assert line is not None, f"exited before printing {text!r}: {''.join(self.stderr)[-3000:]}"
             self.stdout.append(line)
             if text in line:
                 return
 
     def finish(self) -> int:
-        rc = self.proc.wait(timeout=TIMEOUT)
+        try:
+            rc = self.proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise self._give_up("still running") from None
         while (line := self.lines.get(timeout=TIMEOUT)) is not None:
             self.stdout.append(line)
         return rc
