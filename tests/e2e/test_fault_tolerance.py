@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +26,7 @@ import pytest
 import torch
 
 from tests.helpers.common import tiny_run_args
-from tests.helpers.kiln_process import KilnResult, assert_one_line_error, run_kiln, start_kiln
+from tests.helpers.kiln_process import KilnResult, KilnRun, assert_one_line_error, run_kiln, start_kiln
 from tests.helpers.run_files import tensorboard_scalars
 
 pytest.importorskip("torchft", reason="fault tolerance needs the torchft extra (pip install -e '.[ft]')")
@@ -65,50 +63,13 @@ def lighthouse(min_replicas: int, join_timeout_ms: int = 1000) -> Iterator[str]:
         server.shutdown()
 
 
-def start_group(replica_id: int, lighthouse: str, cwd: Path, *extra: str) -> subprocess.Popen[str]:
+def start_group(replica_id: int, lighthouse: str, cwd: Path, *extra: str) -> KilnRun:
     """One replica group: `NGPU=2 run_train.sh` in its own session (the test kills its whole tree)."""
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
-    return start_kiln(
+    proc = start_kiln(
         ft_args(replica_id, *extra), ngpu=2, threads=1, env=env, cwd=cwd, merge_stderr=True, new_session=True
     )
-
-
-class Output:
-    """A group's merged output, collected by a reader thread as it runs."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc, self.lines = proc, []  # type: ignore[var-annotated]
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def poll(self) -> str:
-        return self.text
-
-    def wait_for(self, pattern: str, timeout: float = TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.poll()):
-            assert self.proc.poll() is None or re.search(pattern, self.poll()), self.text[-4000:]
-            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{self.text[-4000:]}"
-            time.sleep(0.2)
-
-    def finish(self, timeout: float = TIMEOUT_S) -> int:
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                raise AssertionError(f"still running after {timeout} s:\n{self.text[-4000:]}")
-            time.sleep(0.2)
-        self.reader.join(timeout=30)
-        return self.proc.returncode
+    return KilnRun(proc, timeout=TIMEOUT_S)
 
 
 def steps_logged(text: str) -> list[int]:
@@ -174,12 +135,14 @@ def test_two_groups_without_a_fault_give_hsdp_losses(inside: str, tmp_path: Path
         timeout=TIMEOUT_S,
     )
     assert hsdp.returncode == 0, hsdp.output[-3000:]
-    with lighthouse(min_replicas=2) as address:
-        groups = [
-            start_group(g, address, tmp_path, *steps, *tb, "--job.dump_folder", str(tmp_path / f"ft{g}"))
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(lighthouse(min_replicas=2))
+        outputs = [
+            stack.enter_context(
+                start_group(g, address, tmp_path, *steps, *tb, "--job.dump_folder", str(tmp_path / f"ft{g}"))
+            )
             for g in (0, 1)
         ]
-        outputs = [Output(p) for p in groups]
         assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
     want = tensorboard_scalars(tmp_path / "hsdp" / "tb" / "rank_0")
     for g in (0, 1):
@@ -234,17 +197,13 @@ def test_a_killed_group_is_left_out_then_heals_from_the_live_one(mode: str, tmp_
         join_ms = 1000 if mode == "synchronous" else 30_000
         address = stack.enter_context(lighthouse(min_replicas=1, join_timeout_ms=join_ms))
         survivor, rejoining = ("--training.steps", str(STEPS + 10)), ("--training.steps", str(STEPS))
-        g0, g1 = (
-            Output(start_group(0, address, tmp_path, *run, *survivor)),
-            Output(start_group(1, address, tmp_path, *run, *rejoining)),
-        )
-        stack.callback(lambda: [os.killpg(o.proc.pid, signal.SIGKILL) for o in (g0, g1) if o.proc.poll() is None])
+        g0 = stack.enter_context(start_group(0, address, tmp_path, *run, *survivor))
+        g1 = stack.enter_context(start_group(1, address, tmp_path, *run, *rejoining))
         g0.wait_for(r"step \d+: 2 of 2 replica groups live")
         together = int(re.findall(r"step (\d+): 2 of 2 replica groups live", g0.text)[0])
         g1.wait_for(rf"\[rank0\]:.* step:\s+{together + 2} ")
-        os.killpg(g1.proc.pid, signal.SIGKILL)
-        g1.finish()
-        restarted = Output(start_group(1, address, tmp_path, *run, *rejoining))  # at once: start-up takes 10-20 s
+        g1.kill()
+        restarted = stack.enter_context(start_group(1, address, tmp_path, *run, *rejoining))  # at once: starts slowly
         assert restarted.finish() == 0, restarted.text[-4000:]
         assert g0.finish() == 0, g0.text[-4000:]
     # The survivor: every step once, in order (from its first: a group that joins late heals at its first step);
@@ -296,8 +255,9 @@ def test_semi_sync_groups_train_alone_and_meet_at_every_sync(tmp_path: Path) -> 
         "--job.dump_folder",
         str(tmp_path / "out"),
     )
-    with lighthouse(min_replicas=2) as address:
-        outputs = [Output(start_group(g, address, tmp_path, *run)) for g in (0, 1)]
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(lighthouse(min_replicas=2))
+        outputs = [stack.enter_context(start_group(g, address, tmp_path, *run)) for g in (0, 1)]
         assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
     assert losses_logged(outputs[0].text)[1] != losses_logged(outputs[1].text)[1]
     assert "the sync before step 4: 2 of 2 replica groups live" in outputs[0].text
@@ -328,8 +288,10 @@ def test_diloco_groups_meet_in_torchtitans_outer_nesterov_step(tmp_path: Path) -
     )
     outputs = []
     for steps in (5, 7):
-        with lighthouse(min_replicas=2) as address:
-            outputs = [Output(start_group(g, address, tmp_path, *run, "--training.steps", str(steps))) for g in (0, 1)]
+        with contextlib.ExitStack() as stack:
+            address = stack.enter_context(lighthouse(min_replicas=2))
+            steps_arg = ("--training.steps", str(steps))
+            outputs = [stack.enter_context(start_group(g, address, tmp_path, *run, *steps_arg)) for g in (0, 1)]
             assert [o.finish() for o in outputs] == [0, 0], outputs[0].text[-3000:] + outputs[1].text[-3000:]
         if steps == 5:
             assert losses_logged(outputs[0].text)[1] != losses_logged(outputs[1].text)[1]
@@ -366,16 +328,20 @@ def test_a_group_started_with_other_diloco_settings_is_refused_where_it_heals(tm
         address = stack.enter_context(lighthouse(min_replicas=1, join_timeout_ms=30_000))
         steps = ("--training.steps", "100000", "--lr_scheduler.warmup_steps", "0")  # alive until group 1 is refused
         env = {"TORCHFT_LIGHTHOUSE": address}
-        live = Output(
-            start_kiln(
-                ft_args(0, *diloco, "--fault_tolerance.sync_steps", "2", *steps),
-                **dict(ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True),
+        live = stack.enter_context(
+            KilnRun(
+                start_kiln(
+                    ft_args(0, *diloco, "--fault_tolerance.sync_steps", "2", *steps),
+                    **dict(ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True),
+                ),
+                timeout=TIMEOUT_S,
             )
         )
-        stack.callback(lambda: os.killpg(live.proc.pid, signal.SIGKILL))
         live.wait_for(r"step:\s+3\s")
         other = ft_args(1, *diloco, "--fault_tolerance.sync_steps", "4")
-        joining = Output(start_kiln(other, ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True))
+        joining = stack.enter_context(
+            KilnRun(start_kiln(other, ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True), timeout=TIMEOUT_S)
+        )
         assert joining.finish() == 2, joining.text[-4000:]
     errors = [line for line in joining.text.splitlines() if "kiln: error:" in line]
     assert errors == [
@@ -406,8 +372,8 @@ def test_a_lighthouse_gone_mid_run_is_one_line_after_the_quorum_timeout(tmp_path
         args = [*ft_args(0, *run, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "5")]
         args[args.index("--fault_tolerance.group_size") + 1] = "1"
         env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
-        group = Output(start_kiln(args, ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True))
-        stack.callback(lambda: group.proc.poll() is None and os.killpg(group.proc.pid, signal.SIGKILL))
+        proc = start_kiln(args, ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True)
+        group = stack.enter_context(KilnRun(proc, timeout=TIMEOUT_S))
         group.wait_for(r"Saved checkpoint .*step-5 ")
         server.kill()
         assert group.finish(timeout=120) == 75, group.text[-4000:]

@@ -6,11 +6,9 @@ outside."""
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.common import DEBUG_CONFIG
-from tests.helpers.kiln_process import children, start_kiln
+from tests.helpers.kiln_process import KilnRun, children, start_kiln
 
 TIMEOUT_S = 10  # comm.train_timeout_seconds
 # From the freeze to the end: the timeout, 5 s telling a gone rank from a busy one, torchrun's 30 s wait for the
@@ -37,32 +35,24 @@ CASES = {"first stage": (PP2, 0), "last stage": (PP2, 1), "fsdp rank 1": (FSDP2,
 def _freeze(layout: tuple[str, ...], frozen: int, dump: Path) -> tuple[int, str, float]:
     """A 2-rank job whose rank `frozen` is stopped after step 5: its status, its output, the seconds it took to end."""
     proc = start_kiln([*ARGS, *layout, "--job.dump_folder", dump], ngpu=2, threads=1, log_rank="0,1", merge_stderr=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
-    seen: list[str] = []
     ranks: list[int] = []
-    try:
-        while not (line := lines.get(timeout=600)) or "step:  5 " not in line:
-            assert line is not None, "".join(seen)[-4000:]
-            seen.append(line)
-        ranks = children(proc.pid)
-        assert len(ranks) == 2, ranks
-        os.kill(ranks[frozen], signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        rc = proc.wait(timeout=LIMIT_S)  # a hang fails here (subprocess.TimeoutExpired)
-        took = time.monotonic() - frozen_at
-    finally:
-        for pid in ranks:  # a stopped rank left behind would hold its memory
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        if proc.poll() is None:
-            proc.kill()
-    while (line := lines.get(timeout=60)) is not None:
-        seen.append(line)
-    return rc, "".join(seen), took
+    with KilnRun(proc, timeout=600) as run:
+        try:
+            run.wait_for("step:  5 ")
+            ranks = children(proc.pid)
+            assert len(ranks) == 2, ranks
+            os.kill(ranks[frozen], signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            rc = run.finish(timeout=LIMIT_S)  # a hang fails here
+            took = time.monotonic() - frozen_at
+        finally:
+            for pid in ranks:  # a stopped rank left behind would hold its memory
+                for sig in (signal.SIGKILL, signal.SIGCONT):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+    return rc, run.text, took
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.common import ROOT, tiny_run_args
-from tests.helpers.kiln_process import KilnResult, assert_one_line_error, run_kiln, run_python, start_kiln
+from tests.helpers.kiln_process import KilnResult, KilnRun, assert_one_line_error, run_kiln, run_python, start_kiln
 
 TIMEOUT_S = 300
 
@@ -277,14 +277,12 @@ def test_sigterm_to_run_train_sh_stops_both_ranks_with_their_line_and_exit_143(t
     """SIGTERM (what a scheduler sends) to run_train.sh with 2 ranks: each rank saves and says so in one line, and
     the launcher ends with the shell's status for SIGTERM, without torchrun's traceback of its own signal."""
     args = tiny_run_args("--training.steps", "10000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000")
-    proc = start_kiln([*args, "--job.dump_folder", "run"], ngpu=2, log_rank="0,1", cwd=tmp_path)
-    assert proc.stdout is not None
-    for line in proc.stdout:  # both ranks log; the first step line means the loop runs
-        if "step:  1 " in line:
-            break
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=TIMEOUT_S)
-    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    with KilnRun(start_kiln([*args, "--job.dump_folder", "run"], ngpu=2, log_rank="0,1", cwd=tmp_path)) as run:
+        run.wait_for("step:  1 ")  # both ranks log; the first step line means the loop runs
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish(timeout=TIMEOUT_S)
+    out, err = run.text, "".join(run.stderr)
+    assert rc == 143, out[-2000:] + err[-3000:]
     assert "Traceback" not in out + err and "SignalException" not in out + err, err[-3000:]
     stops = [line.split("kiln: ", 1)[1] for line in err.splitlines() if "kiln: stopped by SIGTERM" in line]
     assert len(stops) == 2 and stops[0] == stops[1], err[-3000:]

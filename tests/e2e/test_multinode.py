@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import queue
 import re
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import pytest
 
 import launch
 from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port
-from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, children, run_kiln, start_kiln
+from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, KilnRun, children, run_kiln, start_kiln
 
 TIMEOUT_S = 600
 COLLECTIVE_TIMEOUT_S = 30  # comm.train_timeout_seconds of these runs
@@ -185,77 +183,25 @@ def assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-class Node:
-    """One simulated node: run_train.sh with NNODES=2 in its own session, its output pumped line by line."""
-
-    def __init__(
-        self, node_rank: int, endpoint: str, dump: Path, *args: str, max_restarts: int = 0, log_rank: str = "0"
-    ) -> None:
-        env = {**NO_NODES, "NNODES": "2", "NODE_RANK": str(node_rank), "RDZV_ENDPOINT": endpoint}
-        env.update(RDZV_ID="sim", MAX_RESTARTS=str(max_restarts))
-        self.proc = start_kiln(
-            [*TINY, *args, "--job.dump_folder", dump],
-            ngpu=2,
-            threads=1,
-            log_rank=log_rank,
-            env=env,
-            merge_stderr=True,
-            new_session=True,
-        )
-        self.lines: queue.Queue[tuple[float, str] | None] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put((time.monotonic(), line))
-        self.lines.put(None)
-
-    def wait_for(self, text: str) -> tuple[float, str]:
-        """The time the first line holding `text` arrived, and the line."""
-        while True:
-            item = self.lines.get(timeout=TIMEOUT_S)
-            assert item is not None, f"exited before printing {text!r}:\n{''.join(self.seen)[-4000:]}"
-            self.seen.append(item[1])
-            if text in item[1]:
-                return item
-
-    def finish(self) -> tuple[int, str]:
-        rc = self.proc.wait(timeout=TIMEOUT_S)
-        while (item := self.lines.get(timeout=TIMEOUT_S)) is not None:
-            self.seen.append(item[1])
-        return rc, "".join(self.seen)
-
-    def kill(self) -> None:
-        """SIGKILL the node's every process (the launcher with torchrun's agent, and its ranks): a node gone."""
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-        tree = [self.proc.pid]
-        for pid in tree:
-            tree.extend(children.get(pid, []))
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+def start_node(
+    node_rank: int, endpoint: str, dump: Path, *args: str, max_restarts: int = 0, log_rank: str = "0"
+) -> KilnRun:
+    """One simulated node: run_train.sh with NNODES=2 in its own session, its output read line by line."""
+    env = {**NO_NODES, "NNODES": "2", "NODE_RANK": str(node_rank), "RDZV_ENDPOINT": endpoint}
+    env.update(RDZV_ID="sim", MAX_RESTARTS=str(max_restarts))
+    args = [*TINY, *args, "--job.dump_folder", dump]
+    proc = start_kiln(args, ngpu=2, threads=1, log_rank=log_rank, env=env, merge_stderr=True, new_session=True)
+    return KilnRun(proc, timeout=TIMEOUT_S)
 
 
 def two_nodes(dump: Path, *args: str) -> str:
     """Both nodes to the end through the plain-host variables; node 0's output."""
     endpoint = f"localhost:{free_port()}"
-    nodes = [Node(0, endpoint, dump, *args), Node(1, endpoint, dump, *args)]
-    try:
-        results = [n.finish() for n in nodes]
-    finally:  # one node failing leaves the other waiting in a collective: end it too
+    with contextlib.ExitStack() as stack:  # one node failing leaves the other waiting in a collective: end it too
+        nodes = [stack.enter_context(start_node(n, endpoint, dump, *args)) for n in (0, 1)]
         for node in nodes:
-            if node.proc.poll() is None:
-                node.kill()
-    for rc, out in results:
-        assert rc == 0, out[-4000:]
-    return "".join(out for _, out in results)
+            assert node.finish() == 0, node.text[-4000:]
+    return "".join(node.text for node in nodes)
 
 
 def two_nodes_under_slurm(dump: Path, tmp: Path, *args: str) -> str:
@@ -327,13 +273,10 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     timeout; its torchrun (MAX_RESTARTS=1) restarts the job when a replacement node 1 joins, from step-2."""
     dump2, straight = hsdp_two_nodes
     endpoint = f"localhost:{free_port()}"
-    started: list[Node] = []
-    try:
+    with (
+        contextlib.ExitStack() as started
+    ):  # a failed check leaves no node behind (node 0 would wait for a replacement)
         out0, stopped, line, detect_s = _kill_and_replace(endpoint, tmp_path, started)
-    finally:  # a failed check leaves no node behind (node 0 would wait for a replacement at the rendezvous)
-        for node in started:
-            if node.proc.poll() is None:
-                node.kill()
     print(f"detected {detect_s:.1f} s after the kill: {line.strip()}")
     # Found by the lost connections (gloo says "closed" or "reset" by peer), not by waiting out the collective
     # timeout: a verdict that holds under any load (the seconds do not: 5.5 s idle, 72 s at a load average of 35).
@@ -350,24 +293,22 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     assert out0.count("kiln: error: ") in (1, 2) and "Traceback" not in out0, out0[-4000:]
 
 
-def _kill_and_replace(endpoint: str, dump: Path, started: list[Node]) -> tuple[str, int, str, float]:
+def _kill_and_replace(endpoint: str, dump: Path, started: contextlib.ExitStack) -> tuple[str, int, str, float]:
     """Kill node 1 once node 0 logged step 3, check node 0's line, start a replacement node 1, run to the end;
     node 0's output, the step it stopped in, its line and the seconds from the kill to the line."""
-    node0 = Node(0, endpoint, dump, *HSDP_FLOAT8, max_restarts=1, log_rank="0,1")
-    started.append(node0)
-    started.append(Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
+    node0 = started.enter_context(start_node(0, endpoint, dump, *HSDP_FLOAT8, max_restarts=1, log_rank="0,1"))
+    node1 = started.enter_context(start_node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
     node0.wait_for("step:  3 ")
-    started[1].kill()
+    node1.kill()
     killed = time.monotonic()
     detected, line = node0.wait_for("kiln: error: ")
     m = re.search(r"kiln: error: rank [01] stopped in step (\d+): lost ranks 2, 3 \(node 1, host \S+\); ", line)
     assert m, line
     assert line.rstrip().endswith("; torchrun restarts the job (MAX_RESTARTS) from the newest complete checkpoint")
-    replacement = Node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1)
-    started.append(replacement)
-    (rc0, out0), (rc1, out1) = node0.finish(), replacement.finish()
-    assert rc0 == 0 and rc1 == 0, out0[-4000:] + out1[-4000:]
-    return out0, int(m.group(1)), line, detected - killed
+    replacement = started.enter_context(start_node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
+    rc0, rc1 = node0.finish(), replacement.finish()
+    assert rc0 == 0 and rc1 == 0, node0.text[-4000:] + replacement.text[-4000:]
+    return node0.text, int(m.group(1)), line, detected - killed
 
 
 # ----------------------------------------------------------------------------- one rank of a node killed
@@ -380,19 +321,13 @@ def test_kill_9_of_one_rank_names_that_rank_only(tmp_path: Path) -> None:
     rank 3 alone, not the ranks torchrun stopped after it nor those that ended before the one that names them."""
     args = [*TINY, f"{P}pipeline_parallel_degree", "2", f"{P}context_parallel_degree", "2"]
     args += ["--training.steps", "100000", "--checkpoint.interval", "100000", "--job.dump_folder", str(tmp_path)]
-    node = Node.__new__(Node)  # a node of its own: run_train.sh, NGPU=4, every rank's output shown
-    node.proc = start_kiln(args, ngpu=4, threads=1, log_rank="0,1,2,3", env=NO_NODES, merge_stderr=True)
-    node.lines, node.seen = queue.Queue(), []
-    threading.Thread(target=node._pump, daemon=True).start()
-    try:
+    proc = start_kiln(args, ngpu=4, threads=1, log_rank="0,1,2,3", env=NO_NODES, merge_stderr=True)  # every rank shown
+    with KilnRun(proc, timeout=TIMEOUT_S) as node:
         node.wait_for("step:  2 ")
         ranks = children(node.proc.pid)
         assert len(ranks) == 4, ranks
         os.kill(ranks[3], signal.SIGKILL)
-        rc, out = node.finish()
-    finally:
-        if node.proc.poll() is None:
-            node.kill()
+        rc, out = node.finish(), node.text
     lines = [line for line in out.splitlines() if "kiln: error:" in line]
     assert rc == 75 and lines, out[-4000:]
     host = socket.gethostname()
@@ -415,15 +350,11 @@ def test_killed_node_with_restarts_spent_is_named_by_the_launcher(tmp_path: Path
     """Node 1 killed, MAX_RESTARTS=0: node 0's last line, the launcher's own, names node 1's ranks, whether or not
     the rank it shows (LOG_RANK 0) printed its line before torchrun stopped it."""
     endpoint = f"localhost:{free_port()}"
-    nodes = [Node(n, endpoint, tmp_path, "--training.steps", "100000") for n in (0, 1)]
-    try:
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(start_node(n, endpoint, tmp_path, "--training.steps", "100000")) for n in (0, 1)]
         nodes[0].wait_for("step:  2 ")
         nodes[1].kill()
-        rc, out = nodes[0].finish()
-    finally:
-        for node in nodes:
-            if node.proc.poll() is None:
-                node.kill()
+        rc, out = nodes[0].finish(), nodes[0].text
     last = out.rstrip().splitlines()[-1]
     assert rc == 75, out[-4000:]
     assert re.fullmatch(

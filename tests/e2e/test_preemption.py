@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed as dist
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.kiln_process import start_kiln
+from tests.helpers.kiln_process import KilnRun, start_kiln
 from tests.helpers.loss_runs import TIMEOUT, drive, kiln_args, with_init
 from trainer.components.preemption import StopOnSignal
 
@@ -44,48 +40,9 @@ def test_sigterm_handler_is_scoped() -> None:
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-class Run:
-    """A run in the background whose stdout lines can be awaited (no sleeps: the verdict never depends on timing)."""
-
-    def __init__(self, dump: Path, *args: str, nproc: int = 1) -> None:
-        self.out = dump.with_suffix(".json")
-        self.proc = start_kiln(**kiln_args(self.out, dump, args, nproc))
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines), daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    @staticmethod
-    def _pump(stream: Any, lines: queue.Queue) -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put(None)
-
-    def _give_up(self, what: str) -> AssertionError:
-        """Kill the run: a run left training after its test failed loads the cores under every test after it."""
-        self.proc.kill()
-        return AssertionError(f"{what} after {TIMEOUT} s: {''.join(self.stderr)[-3000:]}")
-
-    def wait_for(self, text: str) -> None:
-        while True:
-            try:
-                line = self.lines.get(timeout=TIMEOUT)
-            except queue.Empty:
-                raise self._give_up(f"no {text!r}") from None
-            assert line is not None, f"exited before printing {text!r}: {''.join(self.stderr)[-3000:]}"
-            self.stdout.append(line)
-            if text in line:
-                return
-
-    def finish(self) -> int:
-        try:
-            rc = self.proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise self._give_up("still running") from None
-        while (line := self.lines.get(timeout=TIMEOUT)) is not None:
-            self.stdout.append(line)
-        return rc
+def start_run(dump: Path, *args: str, nproc: int = 1) -> KilnRun:
+    """loss_driver.py in the background (tests/helpers/loss_runs.py), writing dump.json."""
+    return KilnRun(start_kiln(**kiln_args(dump.with_suffix(".json"), dump, args, nproc)), timeout=TIMEOUT)
 
 
 def stop_lines(stderr: str) -> list[str]:
@@ -95,12 +52,12 @@ def stop_lines(stderr: str) -> list[str]:
 @pytest.mark.slow
 def test_sigterm_one_rank_saves_exits_143_and_resumes_exactly(runs: Path, straight_one: dict) -> None:
     dump = with_init(runs / "init", runs / "term1")
-    run = Run(dump, "--checkpoint.interval", "100")
-    run.wait_for("step:  1 ")
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 143
+    with start_run(dump, "--checkpoint.interval", "100") as run:
+        run.wait_for("step:  1 ")
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish() == 143
     (line,) = stop_lines("".join(run.stderr))
-    stopped = json.loads(run.out.read_text())
+    stopped = json.loads(dump.with_suffix(".json").read_text())
     k = stopped["first_step"] + len(stopped["losses"]) - 1  # the last step it trained
     assert 1 <= k < 6
     step = dump / "checkpoint" / f"step-{k}"
@@ -117,12 +74,12 @@ def test_sigterm_one_rank_saves_exits_143_and_resumes_exactly(runs: Path, straig
 def test_sigterm_to_torchrun_two_ranks_saves_and_resumes_exactly(runs: Path, straight_two: dict) -> None:
     """SIGTERM to torchrun (what Kubernetes sends to the container's process), which forwards it to the ranks."""
     dump = with_init(runs / "init", runs / "term2")
-    run = Run(dump, "--checkpoint.interval", "100", nproc=2)
-    run.wait_for("step:  1 ")
-    run.proc.send_signal(signal.SIGTERM)
-    run.finish()  # torchrun's own status after a signal is its business (1, with its SignalException)
+    with start_run(dump, "--checkpoint.interval", "100", nproc=2) as run:
+        run.wait_for("step:  1 ")
+        run.proc.send_signal(signal.SIGTERM)
+        run.finish()  # torchrun's own status after a signal is its business (1, with its SignalException)
     lines = stop_lines("".join(run.stderr))
-    stopped = json.loads(run.out.read_text())
+    stopped = json.loads(dump.with_suffix(".json").read_text())
     k = stopped["first_step"] + len(stopped["losses"]) - 1
     assert 1 <= k < 6
     step = dump / "checkpoint" / f"step-{k}"
@@ -137,10 +94,10 @@ def test_sigterm_to_torchrun_two_ranks_saves_and_resumes_exactly(runs: Path, str
 def test_ctrl_c_exits_130_with_one_line(tmp_path: Path) -> None:
     # Steps enough that the run cannot end before the signal, however late the test sends it (6 steps could: on
     # loaded cores the run finished between printing step 1 and the signal, status 0); only step 1 ever runs whole.
-    run = Run(tmp_path / "int", "--checkpoint.interval", "100", "--training.steps", "100000")
-    run.wait_for("step:  1 ")
-    run.proc.send_signal(signal.SIGINT)
-    assert run.finish() == 130
+    with start_run(tmp_path / "int", "--checkpoint.interval", "100", "--training.steps", "100000") as run:
+        run.wait_for("step:  1 ")
+        run.proc.send_signal(signal.SIGINT)
+        assert run.finish() == 130
     stderr = "".join(run.stderr)
     assert "Traceback" not in stderr
     (line,) = stop_lines(stderr)

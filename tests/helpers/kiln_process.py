@@ -4,6 +4,9 @@
     result = run_kiln(args, launcher="python")                               # python train.py args
     result = run_kiln([out, *args], launcher="torchrun", ngpu=2, script=LOSS_DRIVER, threads=1)
     proc = start_kiln(args, launcher="python", script=LOSS_DRIVER)           # a Popen, for signals mid-run
+    with KilnRun(start_kiln(args, merge_stderr=True, new_session=True)) as run:  # its lines awaited as they come
+        run.wait_for("step:  2 ")
+        assert run.finish() == 0, run.text
     result = run_python(code, *args)                                         # python -c code (checks of imports)
 
 Launchers:
@@ -21,9 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -198,6 +205,97 @@ def start_kiln(
     )
 
 
+class KilnRun:
+    """A kiln process started by start_kiln, its stdout read line by line as it comes (stderr too, when not merged).
+
+    wait_for blocks until a line matches, with no sleeps, so a verdict never depends on timing. A run that outlives
+    its timeout, or is still running when its `with` block ends, is killed with every process under it before the
+    test goes on: a run left training would load the cores under every test after it.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str], timeout: float = HANG_TIMEOUT_S) -> None:
+        self.proc, self.timeout = proc, timeout
+        self._own_group = os.getpgid(proc.pid) == proc.pid  # start_kiln(new_session=True): killpg reaches all of it
+        self.lines: list[tuple[float, str]] = []  # stdout's lines, each with the time it arrived (time.monotonic)
+        self.stderr: list[str] = []
+        self._searched = 0  # wait_for looks only at lines after the one it last returned
+        self._arrived = threading.Condition()
+        self._ended = False
+        self._readers = [threading.Thread(target=self._read_stdout, daemon=True)]
+        if proc.stderr is not None:
+            self._readers.append(threading.Thread(target=lambda: self.stderr.extend(proc.stderr), daemon=True))
+        for reader in self._readers:
+            reader.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._arrived:
+                self.lines.append((time.monotonic(), line))
+                self._arrived.notify_all()
+        with self._arrived:
+            self._ended = True
+            self._arrived.notify_all()
+
+    @property
+    def text(self) -> str:
+        """stdout so far."""
+        return "".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout: float | None = None) -> tuple[float, str]:
+        """The next line that matches regex `pattern` (re.search), and the time it arrived."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                for at, line in self.lines[self._searched :]:
+                    self._searched += 1
+                    if re.search(pattern, line):
+                        return at, line
+                if self._ended or time.monotonic() >= deadline:
+                    break
+                self._arrived.wait(deadline - time.monotonic())
+        raise self._give_up(f"exited before printing {pattern!r}" if self._ended else f"no {pattern!r} in {timeout} s")
+
+    def finish(self, timeout: float | None = None) -> int:
+        """Wait for the run to end and its output to be read; its exit status."""
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise self._give_up(f"still running after {timeout} s") from None
+        deadline = time.monotonic() + 10  # what is left in the pipes is read at once, unless a process the run
+        for reader in self._readers:  # left behind holds them open: its output is not waited for
+            reader.join(timeout=max(0, deadline - time.monotonic()))
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL the run and every process under it (a node gone: the launcher, torchrun's agent, the ranks)."""
+        tree = [self.proc.pid]
+        for pid in tree:
+            tree.extend(children(pid))
+        kills = [(os.killpg, self.proc.pid)] if self._own_group else []  # also what the launcher's end orphaned
+        for kill, pid in [*kills, *((os.kill, pid) for pid in tree)]:
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=60)
+        deadline = time.monotonic() + 60  # a signal is delivered when its process next runs: wait till it has
+        while any(running(pid) for pid in tree[1:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _give_up(self, what: str) -> AssertionError:
+        self.kill()
+        return AssertionError(f"{what}:\n{self.text[-4000:]}{''.join(self.stderr)[-3000:]}")
+
+    def __enter__(self) -> KilnRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
 def run_python(
     code: str,
     *args: str,
@@ -230,6 +328,15 @@ def _run(
             f"{' '.join(argv)[:500]}\nexited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     return result
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie, waiting to be reaped, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def children(pid: int) -> list[int]:
