@@ -282,7 +282,10 @@ class KilnRun:
                 pass
         self.proc.wait(timeout=60)
         deadline = time.monotonic() + 60  # a signal is delivered when its process next runs: wait till it has
-        while any(running(pid) for pid in tree[1:]) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            group = processes_in_group(self.proc.pid) if self._own_group else []
+            if not any(running(pid) for pid in [*tree[1:], *group]):
+                break
             time.sleep(0.01)
 
     def _give_up(self, what: str) -> AssertionError:
@@ -339,15 +342,24 @@ def running(pid: int) -> bool:
         return False
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`, oldest first: under run_train.sh on a CPU node, the launcher's ranks in
-    local-rank order (torchrun forks them one after another)."""
-    kids = []
+def processes_in_group(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (a session started with start_kiln(new_session=True))."""
+    return [pid for pid, stat in _stats() if int(stat[2]) == pgid]
+
+
+def _stats() -> list[tuple[int, list[str]]]:
+    """Every process's /proc/<pid>/stat fields after its name: state, parent pid, process group, ..."""
+    out = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
+                out.append((int(entry), f.read().rsplit(")", 1)[1].split()))
         except (OSError, ValueError, IndexError):
             continue
-    return sorted(kids)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, oldest first: under run_train.sh on a CPU node, the launcher's ranks in
+    local-rank order (torchrun forks them one after another)."""
+    return sorted(child for child, stat in _stats() if int(stat[1]) == pid)
