@@ -1,7 +1,8 @@
 """What a semi-synchronous replica group says when a sync fails (a peer group died in its all-reduce): kiln's one
 warning per failed sync, in place of torchft's traceback per failed all-reduce (its loggers are raised to CRITICAL).
 The failure is torchft's own error object as its Manager reports it; the race it needs (a kill inside the all-reduce)
-is not reproducible in an e2e run, so the Manager is a stand-in here."""
+is not reproducible in an e2e run, so the Manager is a stand-in here. And what every rank of a group says when no
+lighthouse answers (tests/e2e/test_fault_tolerance.py runs it through run_train.sh)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,29 @@ def test_a_failed_sync_is_one_warning_with_gloos_reason(caplog: pytest.LogCaptur
         for s in (8, 12)
     ]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_every_rank_of_a_group_finds_an_unreachable_lighthouse_itself(
+    rank: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only the group's rank 0 (whose manager talks to the lighthouse): a rank 1 that went on would wait in the
+    store for rank 0's manager, take no SIGTERM, and hold the job until torchrun killed it 30 s later."""
+    import socket
+
+    import torch
+
+    from kiln_base.config.schema import FaultTolerance
+    from kiln_base.errors import ConfigError
+
+    with socket.socket() as closed:  # bound, never listened on: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        lighthouse = f"http://localhost:{closed.getsockname()[1]}"
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+        monkeypatch.setenv("RANK", rank)
+        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):  # no job store to wait in: a rank that skipped
+            monkeypatch.delenv(name, raising=False)  # the check fails at once on another error
+        model = torch.nn.Linear(2, 2)
+        ft = FaultTolerance(enable=True, group_size=2, process_group_timeout_ms=1000)
+        with pytest.raises(ConfigError, match=f"no torchft lighthouse answers at TORCHFT_LIGHTHOUSE={lighthouse}"):
+            ReplicaGroup(ft, model, torch.optim.SGD(model.parameters()), None, lambda: 0, print, 60, False, 0)

@@ -115,16 +115,17 @@ class ReplicaGroup:
         self.get_step, self.set_step = get_step, set_step
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         lighthouse = os.environ[LIGHTHOUSE_ENV]
-        group_rank = int(os.environ.get("RANK", "0"))
-        if group_rank == 0:  # the group's manager server talks to the lighthouse: it must answer now, not hang
-            try:
-                LighthouseClient(lighthouse, connect_timeout=timeout)
-            except RuntimeError:
-                raise ConfigError(
-                    f"fault_tolerance: no torchft lighthouse answers at {LIGHTHOUSE_ENV}={lighthouse} within "
-                    f"process_group_timeout_ms = {ft.process_group_timeout_ms}; start one first (torchft_lighthouse "
-                    "--min_replicas 1, docs/fault_tolerance.md) or fix the address"
-                ) from None
+        # The group's manager server (on its rank 0) talks to the lighthouse: it must answer now, not hang. Every rank
+        # asks, so that all end with this line at once: a rank left waiting for rank 0's manager in the store takes
+        # no SIGTERM until torchrun kills it 30 s later.
+        try:
+            LighthouseClient(lighthouse, connect_timeout=timeout)
+        except RuntimeError:
+            raise ConfigError(
+                f"fault_tolerance: no torchft lighthouse answers at {LIGHTHOUSE_ENV}={lighthouse} within "
+                f"process_group_timeout_ms = {ft.process_group_timeout_ms}; start one first (torchft_lighthouse "
+                "--min_replicas 1, docs/fault_tolerance.md) or fix the address"
+            ) from None
         if ft.process_group == "nccl" and not torch.cuda.is_available():
             raise ConfigError('fault_tolerance.process_group = "nccl" needs CUDA GPUs; on a CPU use "gloo"')
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
