@@ -283,8 +283,10 @@ class KilnRun:
         self.proc.wait(timeout=60)
         deadline = time.monotonic() + 60  # a signal is delivered when its process next runs: wait till it has
         while time.monotonic() < deadline:
-            group = processes_in_group(self.proc.pid) if self._own_group else []
-            if not any(running(pid) for pid in [*tree[1:], *group]):
+            if not any(
+                stat[0] != "Z" and (pid in tree[1:] or (self._own_group and int(stat[2]) == self.proc.pid))
+                for pid, stat in _stats()
+            ):
                 break
             time.sleep(0.01)
 
@@ -340,11 +342,6 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def processes_in_group(pgid: int) -> list[int]:
-    """The processes of process group `pgid` (a session started with start_kiln(new_session=True))."""
-    return [pid for pid, stat in _stats() if int(stat[2]) == pgid]
 
 
 def _stats() -> list[tuple[int, list[str]]]:
