@@ -281,10 +281,11 @@ class KilnRun:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=60)
+        below = set(tree[1:])  # the launcher itself was reaped by wait()
         deadline = time.monotonic() + 60  # a signal is delivered when its process next runs: wait till it has
         while time.monotonic() < deadline:
             if not any(
-                stat[0] != "Z" and (pid in tree[1:] or (self._own_group and int(stat[2]) == self.proc.pid))
+                stat[0] != "Z" and (pid in below or (self._own_group and int(stat[2]) == self.proc.pid))
                 for pid, stat in _stats()
             ):
                 break
