@@ -286,7 +286,7 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     assert loaded in out0, out0[-4000:]
     resumed = steps_of(rank0_lines(out0.split(loaded, 1)[1]))
     print(f"stopped in step {stopped}; resumed from step-{resume}:", resumed, "\nstraight:", steps_of(straight))
-    assert resumed == steps_of(straight)[resume:]
+    assert resumed == steps_of(straight)[resume:], out0[-8000:]  # failed twice under load with [], cause unknown
     assert_same_weights(final_weights(tmp_path), final_weights(dump2))
     # One line from each survivor that found out before torchrun stopped it (node 0 shows both its ranks: the first
     # to fail prints its line, torchrun may stop the other before it does), no traceback on node 0.
