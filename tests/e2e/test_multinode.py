@@ -276,7 +276,7 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     with (
         contextlib.ExitStack() as started
     ):  # a failed check leaves no node behind (node 0 would wait for a replacement)
-        out0, stopped, line, detect_s = _kill_and_replace(endpoint, tmp_path, started)
+        out0, out1, stopped, line, detect_s = _kill_and_replace(endpoint, tmp_path, started)
     print(f"detected {detect_s:.1f} s after the kill: {line.strip()}")
     # Found by the lost connections (gloo says "closed" or "reset" by peer), not by waiting out the collective
     # timeout: a verdict that holds under any load (the seconds do not: 5.5 s idle, 72 s at a load average of 35).
@@ -284,18 +284,22 @@ def test_killed_node_is_named_and_the_restarted_job_resumes_exactly(
     resume = 2 * ((stopped - 1) // 2)  # the newest checkpoint complete before the step that failed
     loaded = f"Loaded checkpoint {tmp_path / 'checkpoint' / f'step-{resume}'} (full state)"
     assert loaded in out0, out0[-4000:]
-    resumed = steps_of(rank0_lines(out0.split(loaded, 1)[1]))
+    # Global rank 0 after the restart is on whichever node torchrun's rendezvous sorts first: by host, then by its
+    # agent's pid, so on one host the replacement node holds ranks 0 and 1 when the pids wrapped in between
+    # (pid_max 32768 here; two full-suite runs failed with no step of rank 0 left on node 0).
+    resumed = steps_of(rank0_lines(out0.split(loaded, 1)[1] + out1))
     print(f"stopped in step {stopped}; resumed from step-{resume}:", resumed, "\nstraight:", steps_of(straight))
-    assert resumed == steps_of(straight)[resume:], out0[-8000:]  # failed twice under load with [], cause unknown
+    assert resumed == steps_of(straight)[resume:], out0[-4000:] + out1[-4000:]
     assert_same_weights(final_weights(tmp_path), final_weights(dump2))
     # One line from each survivor that found out before torchrun stopped it (node 0 shows both its ranks: the first
     # to fail prints its line, torchrun may stop the other before it does), no traceback on node 0.
     assert out0.count("kiln: error: ") in (1, 2) and "Traceback" not in out0, out0[-4000:]
 
 
-def _kill_and_replace(endpoint: str, dump: Path, started: contextlib.ExitStack) -> tuple[str, int, str, float]:
+def _kill_and_replace(endpoint: str, dump: Path, started: contextlib.ExitStack) -> tuple[str, str, int, str, float]:
     """Kill node 1 once node 0 logged step 3, check node 0's line, start a replacement node 1, run to the end;
-    node 0's output, the step it stopped in, its line and the seconds from the kill to the line."""
+    node 0's and the replacement's output, the step node 0 stopped in, its line and the seconds from the kill to
+    the line."""
     node0 = started.enter_context(start_node(0, endpoint, dump, *HSDP_FLOAT8, max_restarts=1, log_rank="0,1"))
     node1 = started.enter_context(start_node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
     node0.wait_for("step:  3 ")
@@ -308,7 +312,7 @@ def _kill_and_replace(endpoint: str, dump: Path, started: contextlib.ExitStack) 
     replacement = started.enter_context(start_node(1, endpoint, dump, *HSDP_FLOAT8, max_restarts=1))
     rc0, rc1 = node0.finish(), replacement.finish()
     assert rc0 == 0 and rc1 == 0, node0.text[-4000:] + replacement.text[-4000:]
-    return node0.text, int(m.group(1)), line, detected - killed
+    return node0.text, replacement.text, int(m.group(1)), line, detected - killed
 
 
 # ----------------------------------------------------------------------------- one rank of a node killed
