@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -187,11 +188,22 @@ def start_node(
     node_rank: int, endpoint: str, dump: Path, *args: str, max_restarts: int = 0, log_rank: str = "0"
 ) -> KilnRun:
     """One simulated node: run_train.sh with NNODES=2 in its own session, its output read line by line."""
+    if node_rank == 0:
+        pids_far_from_wrapping()
     env = {**NO_NODES, "NNODES": "2", "NODE_RANK": str(node_rank), "RDZV_ENDPOINT": endpoint}
     env.update(RDZV_ID="sim", MAX_RESTARTS=str(max_restarts))
     args = [*TINY, *args, "--job.dump_folder", dump]
     proc = start_kiln(args, ngpu=2, threads=1, log_rank=log_rank, env=env, merge_stderr=True, new_session=True)
     return KilnRun(proc, timeout=TIMEOUT_S)
+
+
+def pids_far_from_wrapping(margin: int = 1000) -> None:
+    """torchrun's rendezvous orders the nodes of one host by their agent's pid, so node 0, started first, holds
+    ranks 0 and 1 (and the job's store) unless the pid counter wraps before node 1 starts (pid_max is 32768 on some
+    machines, and a full suite starts tens of thousands of processes). Use up the pids left before a near wrap."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    while int(Path("/proc/sys/kernel/ns_last_pid").read_text()) > pid_max - margin:
+        subprocess.run(["true"], check=True)
 
 
 def two_nodes(dump: Path, *args: str) -> str:
