@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.common import DEBUG_CONFIG, ROOT, LogLines
-from tests.helpers.distributed import run_distributed, train_in_group
+from tests.helpers.distributed import TIMEOUT_S, run_distributed, train_in_group
 
 F8 = ("--float8.enable_float8_linear", "--float8.recipe_name")
 # The float8 recipe axis. On a CPU the parameters are float32 in every cell (no native bf16 here): "bf16" is
@@ -305,7 +305,11 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             group = sorted((c for c in selected if c.world_size == world), key=lambda c: (c.compile, c.id))
             folder = str(tmp_path_factory.mktemp(f"world{world}"))
             try:
-                done[world] = run_distributed(_run_cells, world, group, folder)[0]  # rank 0's view
+                # A hang guard per cell, not per group: with three full suites at once on 2 cores the 4-rank
+                # group took 512-521 s and the 8-rank group 432-435 s of one 600 s guard; with a little more load
+                # the 8-rank group's cells all failed, 607-636 s after it started, in two runs of three (2026-11-29).
+                timeout_s = TIMEOUT_S * len(group)
+                done[world] = run_distributed(_run_cells, world, group, folder, timeout_s=timeout_s)[0]  # rank 0's
             except AssertionError as e:  # a hang or crash of the group: every cell of it fails, once
                 done[world] = {c.id: {"error": str(e)} for c in group}
         return done[world][cell.id]

@@ -74,8 +74,9 @@ def check_preload(modules: Sequence[str]) -> None:
         raise ModuleNotFoundError(f"forkserver preload: no module named {', '.join(missing)}")
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run fn(*args) on `world_size` gloo ranks; return the per-rank results, rank 0 first."""
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = TIMEOUT_S) -> list[Any]:
+    """Run fn(*args) on `world_size` gloo ranks; return the per-rank results, rank 0 first. `timeout_s` guards
+    against a hang, never a verdict: give work that grows (many runs in one call) a budget that grows with it."""
     check_preload(_PRELOAD)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -87,14 +88,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     errors: list[str] = []
     try:
         for _ in range(world_size):
-            rank, ok, value = results.get(timeout=TIMEOUT_S)
+            rank, ok, value = results.get(timeout=timeout_s)
             if ok:
                 out[rank] = value
             else:
                 errors.append(value)
                 break  # the other ranks are likely blocked in a collective
     except queue.Empty:
-        errors.append(f"timed out after {TIMEOUT_S}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
+        errors.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
