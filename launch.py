@@ -267,6 +267,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args, run
 
@@ -303,6 +304,25 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         if reported is None:
             raise  # not a user mistake nor a lost rank: torchrun's report and exit status, unchanged
         return reported
+    except RendezvousConnectionError:
+        if nodes.node_rank == 0:  # node 0 keeps the rendezvous (Nodes.torchrun_args): it could not listen there
+            say(
+                ConfigError(
+                    f"RDZV_ENDPOINT={nodes.endpoint}: node 0 keeps the rendezvous there and cannot listen on it: the "
+                    "port is in use (another job's rendezvous?) or the host is not this machine; choose a free port "
+                    "on node 0's host"
+                ).line()
+            )
+            return USER_ERROR
+        # torchrun's agent asks the rendezvous for new nodes while the ranks train: with node 0 gone, the job can
+        # neither go on nor restart.
+        print(
+            f"kiln: error: the rendezvous at {nodes.endpoint}, kept by node 0, is unreachable: node 0 is down or cut "
+            "off, and torchrun cannot go on or restart the job without it; run it again to resume from the newest "
+            "complete checkpoint",
+            file=real_stderr,
+        )
+        return PEER_LOST
     except SignalException as e:
         # SIGTERM or Ctrl-C: torchrun has passed it on to the ranks and waited for them, and each rank said what it
         # saved; torchrun's traceback of its own signal would add nothing. The shell's status for that signal.

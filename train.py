@@ -232,8 +232,7 @@ def _lost_peers(trainer: Trainer, e: Exception) -> tuple[str, str] | None:
         else "no restarts left (MAX_RESTARTS); run it again to resume from the newest complete checkpoint"
     )
     line = f"rank {rank} stopped in step {trainer.step}: {what}; a collective failed ({reason}); {then}"
-    gone = what if lost is not None else "lost rank 0's node (the job's store is unreachable)"
-    return line, f"{gone} (rank {rank} found out in step {trainer.step})"
+    return line, f"{what} (rank {rank} found out in step {trainer.step})"
 
 
 if __name__ == "__main__":

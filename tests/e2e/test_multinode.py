@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import launch
-from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port
+from tests.helpers.common import DEBUG_CONFIG, ROOT, free_port, store_process
 from tests.helpers.kiln_process import SLURM_TRAIN, KilnResult, KilnRun, children, run_kiln, start_kiln
 
 TIMEOUT_S = 600
@@ -116,6 +116,23 @@ def test_config_is_checked_for_the_whole_world_before_any_rank_starts(tmp_path: 
         "kiln: error: parallelism: data_parallel_replicate_degree (1) x data_parallel_shard_degree (2) x "
         "tensor_parallel_degree (1) must equal the world size 4"
     )
+    assert "[rank" not in proc.stdout
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_node_0_that_cannot_listen_on_the_rendezvous_port_is_one_line(tmp_path: Path, ngpu: int) -> None:
+    """Another process holds RDZV_ENDPOINT's port (another job's rendezvous): node 0, which keeps the rendezvous,
+    stops with one line naming the endpoint, exit 2, before any rank starts."""
+    port = free_port()
+    with store_process(port):
+        args = [*TINY, "--job.dump_folder", str(tmp_path)]
+        proc = run_node(args, ngpu=ngpu, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"localhost:{port}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: RDZV_ENDPOINT=localhost:{port}: node 0 keeps the rendezvous there and cannot listen on it: the "
+        "port is in use (another job's rendezvous?) or the host is not this machine; choose a free port on node 0's "
+        "host"
+    ], proc.stderr[-2000:]
     assert "[rank" not in proc.stdout
 
 
@@ -377,4 +394,53 @@ def test_killed_node_with_restarts_spent_is_named_by_the_launcher(tmp_path: Path
         r"kiln: error: the job lost ranks 2, 3 \(node 1, host \S+\) \(rank [01] found out in step \d+\); its restarts "
         r"are spent \(MAX_RESTARTS=0\); run it again to resume from the newest complete checkpoint",
         last,
+    ), out[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_node_keeping_the_rendezvous_and_rank_0_is_named(tmp_path: Path) -> None:
+    """Node 0 killed: it keeps the rendezvous (the first node at RDZV_ENDPOINT) and ranks 0 and 1, whose rank 0
+    keeps the job's store. Node 1's last line, the launcher's own, names what was lost, no traceback: its ranks'
+    finding (they name node 0's ranks, read from the store while it was up) or, when torchrun's agent asks the
+    gone rendezvous for new nodes before a rank has ended, the rendezvous."""
+    endpoint = f"localhost:{free_port()}"
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(start_node(n, endpoint, tmp_path, "--training.steps", "100000")) for n in (0, 1)]
+        nodes[0].wait_for("step:  2 ")
+        nodes[0].kill()
+        rc, out = nodes[1].finish(), nodes[1].text
+    last = out.rstrip().splitlines()[-1]
+    assert rc == 75 and "Traceback" not in out, out[-4000:]
+    then = "run it again to resume from the newest complete checkpoint"
+    assert re.fullmatch(
+        r"kiln: error: the job lost ranks 0, 1 \(node 0, host \S+\), which kept the job's store at \S+ \(unreachable\) "
+        rf"\(rank [23] found out in step \d+\); its restarts are spent \(MAX_RESTARTS=0\); {then}",
+        last,
+    ) or last == (
+        f"kiln: error: the job lost its rendezvous at {endpoint}: the node that keeps it is down or cut off; torchrun "
+        f"stopped this node's ranks and cannot restart the job without it; {then}"
+    ), out[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lost_rendezvous_is_named(tmp_path: Path) -> None:
+    """Node 0 keeps the rendezvous; started after node 1, it holds ranks 2 and 3 (torchrun's rendezvous orders the
+    nodes of one host by their agent's pid). Node 0 killed: node 1's agent finds the rendezvous gone when it next
+    asks it for new nodes (every 0.1 s), before its ranks have named the lost ones (5 s). Node 1's last line, the
+    launcher's own, names the rendezvous and node 0; no traceback."""
+    endpoint = f"localhost:{free_port()}"
+    pids_far_from_wrapping()
+    with contextlib.ExitStack() as stack:
+        node1 = stack.enter_context(start_node(1, endpoint, tmp_path, "--training.steps", "100000"))
+        node0 = stack.enter_context(start_node(0, endpoint, tmp_path, "--training.steps", "100000"))
+        node1.wait_for("step:  2 ")  # node 1 holds rank 0, which logs the steps
+        node0.kill()
+        rc, out = node1.finish(), node1.text
+    assert rc == 75 and "Traceback" not in out, out[-4000:]
+    assert out.rstrip().splitlines()[-1] == (
+        f"kiln: error: the rendezvous at {endpoint}, kept by node 0, is unreachable: node 0 is down or cut off, and "
+        "torchrun cannot go on or restart the job without it; run it again to resume from the newest complete "
+        "checkpoint"
     ), out[-4000:]

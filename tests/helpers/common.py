@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,6 +70,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def store_process(port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A TCPStore server on localhost:`port` in a process of its own, listening when this yields: kill the process
+    to lose the store as a node's loss would. Killed at the end."""
+    keep = "import sys, torch.distributed as d; s = d.TCPStore('localhost', int(sys.argv[1]), is_master=True); "
+    server = subprocess.Popen(
+        [sys.executable, "-c", keep + "print('ready', flush=True); sys.stdin.read()", str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        yield server
+    finally:
+        server.kill()
+        server.wait()
 
 
 # torch 2.11's CPU float8 matmul takes per-tensor scales only: rowwise recipes train on a CPU from torch 2.13 on

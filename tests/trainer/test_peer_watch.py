@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
-from tests.helpers.common import ROOT, free_port
+from tests.helpers.common import ROOT, free_port, store_process
+from trainer.components.dist import PeerWatch
 
 CHILD = """
 import sys, time
@@ -37,3 +41,31 @@ def test_a_rank_ended_by_sigterm_marks_itself_leaving_and_dies_of_the_signal() -
         assert store.check(["kiln/t/0/beat/left/1"])
     finally:
         child.kill()
+
+
+def test_the_node_that_kept_a_lost_store_is_named_by_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store is kept by rank 0's node: once it is gone, the survivors name that node's ranks and where it ran,
+    read from the store while it was up."""
+    port = free_port()
+    for key, value in {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    watches: list[PeerWatch] = []
+    with store_process(port) as server:
+        try:
+            for rank, node in ((0, "0"), (2, "1")):
+                monkeypatch.setenv("KILN_NODE_RANK", node)
+                watches.append(PeerWatch(rank=rank, world_size=4, interval=0.05, grace=0.2))
+            watch = watches[1]
+            deadline = time.monotonic() + 30
+            while watch.store_keepers == "rank 0's node" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.kill()
+            server.wait(timeout=30)
+            assert watch.lost_ranks() is None  # the store is unreachable
+            assert watch.describe(None) == (
+                f"lost ranks 0, 1 (node 0, host {socket.gethostname()}), which kept the job's store at "
+                f"localhost:{port} (unreachable)"
+            )
+        finally:
+            for w in watches:
+                w.close()

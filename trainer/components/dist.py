@@ -87,6 +87,9 @@ class PeerWatch:
         node = os.environ.get("KILN_NODE_RANK")
         where = (f"node {node}, " if node else "") + f"host {socket.gethostname()}"
         self._store.set(f"{self._prefix}where/{rank}", where)
+        # Rank 0's node keeps the store: once the store is gone, its "where" is known only if read before.
+        self.store_keepers = "rank 0's node"
+        self._keepers_known = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="kiln-peer-watch", daemon=True)
         self._thread.start()
@@ -105,10 +108,15 @@ class PeerWatch:
         return cls(dist.get_rank(), dist.get_world_size())
 
     def _beat(self) -> None:
-        key = f"{self._prefix}{self.rank}"
+        key, where0 = f"{self._prefix}{self.rank}", f"{self._prefix}where/0"
         while True:
             try:
                 self._store.add(key, 1)
+                if not self._keepers_known and self._store.check([where0]):
+                    ranks = range(self.local_world_size)  # rank 0's node: torchrun numbers a node's ranks in a row
+                    where = self._store.get(where0).decode()
+                    self.store_keepers = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} ({where})"
+                    self._keepers_known = True
             except (RuntimeError, dist.DistError):  # the store is gone: lost_ranks says so
                 return
             if self._stop.wait(self.interval):
@@ -145,9 +153,10 @@ class PeerWatch:
         os.kill(os.getpid(), signal.SIGTERM)  # the default action: the status torchrun reads is "killed by SIGTERM"
 
     def describe(self, lost: list[int] | None) -> str:
-        """ "lost ranks 2, 3 (node 1, host gpu7)"; what an unreachable store means when `lost` is None."""
+        """ "lost ranks 2, 3 (node 1, host gpu7)"; when `lost` is None (the store is unreachable), the ranks of the
+        node that kept it."""
         if lost is None:
-            return f"the job's store at {self.address}, kept by rank 0, is unreachable: rank 0's node is lost"
+            return f"lost {self.store_keepers}, which kept the job's store at {self.address} (unreachable)"
         groups: dict[str, list[int]] = {}
         for r in lost:
             try:
