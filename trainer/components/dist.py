@@ -87,7 +87,13 @@ class PeerWatch:
         node = os.environ.get("KILN_NODE_RANK")
         where = (f"node {node}, " if node else "") + f"host {socket.gethostname()}"
         self._store.set(f"{self._prefix}where/{rank}", where)
-        # Rank 0's node keeps the store: once the store is gone, its "where" is known only if read before.
+        # Rank 0's node keeps the store: the survivors can name it once the store is gone only if they read it
+        # before. Rank 0 says which ranks (its node's: torchrun numbers a node's ranks in a row from rank 0's) and
+        # where; nodes may run different numbers of ranks.
+        if rank == 0:
+            ranks = range(self.local_world_size)
+            keepers = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} ({where})"
+            self._store.set(f"{self._prefix}keepers", keepers)
         self.store_keepers = "rank 0's node"
         self._keepers_known = False
         self._stop = threading.Event()
@@ -108,14 +114,12 @@ class PeerWatch:
         return cls(dist.get_rank(), dist.get_world_size())
 
     def _beat(self) -> None:
-        key, where0 = f"{self._prefix}{self.rank}", f"{self._prefix}where/0"
+        key, keepers = f"{self._prefix}{self.rank}", f"{self._prefix}keepers"
         while True:
             try:
                 self._store.add(key, 1)
-                if not self._keepers_known and self._store.check([where0]):
-                    ranks = range(self.local_world_size)  # rank 0's node: torchrun numbers a node's ranks in a row
-                    where = self._store.get(where0).decode()
-                    self.store_keepers = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} ({where})"
+                if not self._keepers_known and self._store.check([keepers]):
+                    self.store_keepers = self._store.get(keepers).decode()
                     self._keepers_known = True
             except (RuntimeError, dist.DistError):  # the store is gone: lost_ranks says so
                 return
