@@ -35,6 +35,9 @@ from dataclasses import asdict, dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# The workers are spawned: they find this script's functions by this module's name, also when it was imported
+# rather than run (the tests load it from this folder).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
@@ -272,7 +275,10 @@ def tokenize(
     )
     jobs = [(n, shards[n], work, text_key, split) for n in todo]
     t0, docs, tokens, last = time.perf_counter(), 0, 0, 0.0
-    ctx = mp.get_context("fork")
+    # Spawned, not forked: a worker forked from a process with threads (torch's, a test runner's) segfaulted in its
+    # first garbage collection, and the pool replaced it with another that did the same, for ever (a full test run
+    # hung so, 2026-11-29).
+    ctx = mp.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
         for n, d, t, _, error in pool.imap_unordered(tokenize_shard, jobs):
             if error is not None:
