@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -90,12 +91,10 @@ class PeerWatch:
         # Rank 0's node keeps the store: the survivors can name it once the store is gone only if they read it
         # before. Rank 0 says which ranks (its node's: torchrun numbers a node's ranks in a row from rank 0's) and
         # where; nodes may run different numbers of ranks.
+        self.store_keepers: str | None = None  # "ranks 0, 1 (node 0, host gpu7)" once read
         if rank == 0:
-            ranks = range(self.local_world_size)
-            keepers = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} ({where})"
-            self._store.set(f"{self._prefix}keepers", keepers)
-        self.store_keepers = "rank 0's node"
-        self._keepers_known = False
+            self.store_keepers = _ranks_at(range(self.local_world_size), where)
+            self._store.set(f"{self._prefix}keepers", self.store_keepers)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="kiln-peer-watch", daemon=True)
         self._thread.start()
@@ -118,9 +117,8 @@ class PeerWatch:
         while True:
             try:
                 self._store.add(key, 1)
-                if not self._keepers_known and self._store.check([keepers]):
+                if self.store_keepers is None and self._store.check([keepers]):
                     self.store_keepers = self._store.get(keepers).decode()
-                    self._keepers_known = True
             except (RuntimeError, dist.DistError):  # the store is gone: lost_ranks says so
                 return
             if self._stop.wait(self.interval):
@@ -160,7 +158,8 @@ class PeerWatch:
         """ "lost ranks 2, 3 (node 1, host gpu7)"; when `lost` is None (the store is unreachable), the ranks of the
         node that kept it."""
         if lost is None:
-            return f"lost {self.store_keepers}, which kept the job's store at {self.address} (unreachable)"
+            keepers = self.store_keepers or "rank 0's node"
+            return f"lost {keepers}, which kept the job's store at {self.address} (unreachable)"
         groups: dict[str, list[int]] = {}
         for r in lost:
             try:
@@ -168,11 +167,15 @@ class PeerWatch:
             except (RuntimeError, dist.DistError):
                 where = "where unknown"
             groups.setdefault(where, []).append(r)
-        parts = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} ({where})" for where, rs in groups.items()]
-        return "lost " + "; ".join(parts)
+        return "lost " + "; ".join(_ranks_at(rs, where) for where, rs in groups.items())
 
     def close(self) -> None:
         if self._owns_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)
         self._stop.set()
         self._thread.join(timeout=self.interval + 1)
+
+
+def _ranks_at(ranks: Sequence[int], where: str) -> str:
+    """ "ranks 2, 3 (node 1, host gpu7)"."""
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} ({where})"
