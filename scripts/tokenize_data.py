@@ -35,9 +35,6 @@ from dataclasses import asdict, dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# The workers are spawned: they find this script's functions by this module's name, also when it was imported
-# rather than run (the tests load it from this folder).
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 

@@ -17,7 +17,11 @@ from tests.helpers.common import ROOT
 
 @functools.cache
 def load_script(name: str) -> ModuleType:
-    """scripts/{name}.py, imported as the module `name`."""
+    """scripts/{name}.py, imported as the module `name`, with scripts/ on sys.path: a worker a script spawns
+    (tokenize_data) finds the script's functions by that module name."""
+    folder = str(ROOT / "scripts")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
