@@ -54,8 +54,8 @@ def check_inputs(cfg: JobConfig) -> int:
     """The files a run reads first, without torch (instant): the tokenizer parses, the dataset is registered and
     its local files start with a good record. Before torchrun (launch.py) and before a rank imports torch; the
     Trainer meets the same errors through the same functions when built directly. Returns the tokenizer's size."""
-    from trainer.components.data_sources import check_data_source
     from trainer.components.tokenizer import load_tokenizer
+    from trainer.data.sources import check_data_source
 
     words = load_tokenizer(cfg.model.tokenizer_path).n_words
     check_data_source(cfg.training, words)
@@ -72,7 +72,7 @@ def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ran
     import torch
 
     from trainer import build
-    from trainer.components.initial_load import open_source
+    from trainer.checkpoint.initial_load import open_source
 
     path = cfg.checkpoint.initial_load_path
     args = build.model_args(cfg.model, cfg.training.seq_len, tokenizer_words, open_source(path) if path else None)
@@ -117,7 +117,7 @@ def _log_paths(cfg: JobConfig) -> None:
 
 def _data_source(name: str, path: str | None) -> str:
     """Where a dataset is read from: its local file or folder (real path), else its hub id, config and split."""
-    from trainer.components.data_sources import DATASETS
+    from trainer.data.sources import DATASETS
 
     spec = DATASETS.get(name)
     if path is None and spec is not None and spec.hub:
@@ -129,7 +129,7 @@ def _dataset_name(name: str, path: str | None) -> str:
     """A dataset as the start-up log names it: the local path, or the registered name and where it reads."""
     if path is not None:
         return path
-    from trainer.components.data_sources import DATASETS
+    from trainer.data.sources import DATASETS
 
     spec = DATASETS.get(name)
     return f"{name} ({spec.path}{' on the Hugging Face hub' if spec.hub else ''})" if spec else name

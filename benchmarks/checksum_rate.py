@@ -1,4 +1,4 @@
-"""What checkpoint checksums (trainer/components/checkpoint_checksums.py) cost: MB/s per core of the standard
+"""What checkpoint checksums (trainer/checkpoint/checksums.py) cost: MB/s per core of the standard
 library's digests over random bytes, and of kiln's file_checksum over a file in the page cache.
 
     python benchmarks/checksum_rate.py [--mib 256]
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.components.checkpoint_checksums import file_checksum  # noqa: E402
+from trainer.checkpoint.checksums import file_checksum  # noqa: E402
 
 PIECE = 8 << 20  # as file_checksum reads
 

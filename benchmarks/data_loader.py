@@ -1,5 +1,5 @@
-"""What feeding a data-parallel job costs one rank: token files (trainer/components/token_data.py) against the text
-path (trainer/components/data.py), numbers for docs/performance.md (not a timed test).
+"""What feeding a data-parallel job costs one rank: token files (trainer/data/tokens.py) against the text
+path (trainer/data/text.py), numbers for docs/performance.md (not a timed test).
 
     python benchmarks/data_loader.py loader   [--seq-len 2048] [--batch 2] [--degrees 1,2,4,8,64] [--token-data P]
     python benchmarks/data_loader.py read     [--seq-len 8192] [--batch 4]   # tokens/s of one rank, page cache
@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from kiln_base.config import Training  # noqa: E402
-from trainer.components.data import build_dataloader  # noqa: E402
-from trainer.components.token_data import build_token_loader  # noqa: E402
-from trainer.components.token_files import write_index, write_stats  # noqa: E402
 from trainer.components.tokenizer import load_tokenizer  # noqa: E402
+from trainer.data.text import build_dataloader  # noqa: E402
+from trainer.data.token_files import write_index, write_stats  # noqa: E402
+from trainer.data.tokens import build_token_loader  # noqa: E402
 
 CORPUS = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
 TOKENIZER = ROOT / "assets" / "tokenizer" / "tokenizer.model"
@@ -111,7 +111,7 @@ STARTUP = """
 import resource, sys, time
 sys.path.insert(0, {root!r})
 from kiln_base.config import Training
-from trainer.components.token_data import build_token_loader
+from trainer.data.tokens import build_token_loader
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 t = Training(seq_len=8192, local_batch_size=4, dataset_path={prefix!r}, seed=0, steps=10000)

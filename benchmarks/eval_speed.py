@@ -1,4 +1,4 @@
-"""How fast downstream evaluation ([eval], trainer/components/downstream_eval.py) scores, against the model's forward.
+"""How fast downstream evaluation ([eval], trainer/evaluation/downstream.py) scores, against the model's forward.
 
     python benchmarks/eval_speed.py [--limit 200] [--batch-size 16] [--repeats 3] [train.py arguments ...]
 

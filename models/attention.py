@@ -1,6 +1,6 @@
 """Attention masks and kernels: causal attention, or block-causal document masking of packed sequences.
 
-kiln packs documents back to back (trainer/components/data.py: each document is encoded BOS ... EOS, the documents
+kiln packs documents back to back (trainer/data/text.py: each document is encoded BOS ... EOS, the documents
 are concatenated and cut into windows). Under the `causal` mask every token attends to every earlier token of the
 window, the previous, unrelated documents included. `block_causal` (Llama 3's pretraining mask; torchtitan's
 `*_flex` and `*_varlen` flavors) stops attention at document boundaries: a token attends to the earlier tokens of

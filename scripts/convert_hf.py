@@ -18,7 +18,7 @@ writes a weights-only DCP checkpoint `CHECKPOINT_FOLDER/step-N` that
 kiln loads at start (`--checkpoint.enable_checkpoint --checkpoint.folder CHECKPOINT_FOLDER`) as its initial
 weights. Names map as in Hugging Face's convert_llama_weights_to_hf.py, including the q/k row permutation:
 kiln (like Meta's Llama) rotates interleaved pairs (x0,x1),(x2,x3)...; HF's Llama rotates the two halves of
-each head, so wq and wk rows are reordered per head (trainer/components/hf.py). Only model weights convert.
+each head, so wq and wk rows are reordered per head (trainer/checkpoint/hf.py). Only model weights convert.
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ sys.path.insert(0, ROOT)
 from kiln_base.errors import ConfigError, UserError  # noqa: E402
 from kiln_base.files import FileRefused  # noqa: E402
 from models.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
-from trainer.components import checkpoint, hf  # noqa: E402
-from trainer.components.checkpoint_checksums import ChecksummingWriter, collect  # noqa: E402
-from trainer.components.checkpoint_folder import write_json  # noqa: E402
-from trainer.components.initial_load import stored_kiln_args  # noqa: E402
+from trainer.checkpoint import hf  # noqa: E402
+from trainer.checkpoint import manager as checkpoint  # noqa: E402
+from trainer.checkpoint.checksums import ChecksummingWriter, collect  # noqa: E402
+from trainer.checkpoint.folder import write_json  # noqa: E402
+from trainer.checkpoint.initial_load import stored_kiln_args  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch attribute names
 DEFAULT_TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
 
-# The conversion itself lives in trainer/components/hf.py (the Trainer's checkpoint.initial_load_path uses it).
+# The conversion itself lives in trainer/checkpoint/hf.py (the Trainer's checkpoint.initial_load_path uses it).
 permute_to_hf, permute_from_hf = hf.permute_to_hf, hf.permute_from_hf
 kiln_to_hf, hf_to_kiln = hf.kiln_to_hf, hf.hf_to_kiln
 hf_config, args_from_hf_config = hf.hf_config, hf.args_from_hf_config
@@ -67,7 +68,7 @@ def _model_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def _read(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
     """These model weights of DCP checkpoint `path` (no process group needed; only their bytes are read)."""
-    from trainer.components.checkpoint_reader import load
+    from trainer.checkpoint.reader import load
 
     md = checkpoint.read_metadata(path)
     meta = md.state_dict_metadata

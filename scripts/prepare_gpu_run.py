@@ -214,7 +214,7 @@ def check_closure(wheels: list[Path]) -> list[str]:
 def tiktoken_to_hf(model_path: Path) -> dict:
     """kiln's tiktoken BPE as a Hugging Face tokenizer.json for torchtitan (the same ids): the one kiln's HF export
     writes, without its BOS post-processor, since torchtitan adds BOS itself from tokenizer_config.json."""
-    from trainer.components.hf import tokenizer_json
+    from trainer.checkpoint.hf import tokenizer_json
     from trainer.components.tokenizer import Tokenizer
 
     return tokenizer_json(Tokenizer(str(model_path))) | {"post_processor": None}

@@ -39,8 +39,9 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from kiln_base.errors import DataError, UserError, say  # noqa: E402
-from trainer.components.data_sources import record_problem  # noqa: E402
-from trainer.components.token_files import (  # noqa: E402
+from trainer.components.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from trainer.data.sources import record_problem  # noqa: E402
+from trainer.data.token_files import (  # noqa: E402
     max_token_id,
     open_token_file,
     read_index,
@@ -48,7 +49,6 @@ from trainer.components.token_files import (  # noqa: E402
     write_index,
     write_stats,
 )
-from trainer.components.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 FORMATS = (".jsonl", ".json", ".parquet", ".txt")
 HF_ROWS = 100_000  # rows per shard of a HF dataset

@@ -7,7 +7,8 @@ Folders, bottom to top (nothing imports a folder above its own):
     models         Llama 3: args per flavor, the nn.Module, FLOPs per token
     float8         the torchao converter, environment facts, first-step checks, the numerics observatory
     parallelisms   ParallelDims and the mesh, TP, activation checkpointing, compile, FSDP
-    trainer        components < build < tools < hooks < trainer (the Trainer)
+    trainer        components < data < checkpoint < evaluation < step < build < tools < hooks < trainer (the
+                   Trainer)
     entry points   train.py, benchmarks; then launch.py and scripts, which drive them
 
 Within a folder, modules are layered too (LAYERS below). Imports inside functions count: a lazy import is still a
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.common import ROOT
+from tests.helpers.common import ROOT, project_files
 
 LAYERS: list[tuple[str, ...]] = [
     ("kiln_base.errors", "kiln_base.files"),
@@ -32,6 +33,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("float8",),
     ("parallelisms",),
     ("trainer.components",),
+    ("trainer.data",),
+    ("trainer.checkpoint",),
+    ("trainer.evaluation",),
     ("trainer.build",),
     ("trainer.tools",),
     ("trainer.hooks",),
@@ -62,7 +66,7 @@ def _folder(module: str) -> int:
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in ROOT.glob("**/*.py"):
+    for path in project_files(".py"):
         rel = path.relative_to(ROOT)
         # gpu_bundle: generated; assets: data, e.g. the loader lm-eval runs beside a task's files (assets/eval)
         if rel.parts[0] in ("tests", ".git", "gpu_bundle", "assets") or rel.parts[0].startswith("."):
@@ -146,7 +150,7 @@ def test_no_import_cycles() -> None:
 def test_nothing_cites_a_document_outside_the_repository() -> None:
     """Docstrings and docs name only documents a reader of the repository can open."""
     outside = ("DESIGN.md", "STYLE.md", "shared/seeds")
-    for path in [*ROOT.glob("**/*.py"), *ROOT.glob("**/*.md"), *ROOT.glob("**/*.sh")]:
+    for path in project_files(".py", ".md", ".sh"):
         rel = path.relative_to(ROOT)
         if rel.parts[0].startswith(".") or rel.parts[0] == "gpu_bundle" or rel == Path(__file__).relative_to(ROOT):
             continue

@@ -68,23 +68,23 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.pipeline import Pipeline, StagedModel, stage_model
 from parallelisms.seeded_init import init_layout_independent
-from trainer.components.checkpoint import CheckpointManager
-from trainer.components.checkpoint_folder import FolderClaim
-from trainer.components.data import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
+from trainer.checkpoint.folder import FolderClaim
+from trainer.checkpoint.initial_load import InitialSource, check_not_inside
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.resume import file_sha256, training_settings
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.fault_tolerance import checkpoint_subfolder, data_parallel_share
-from trainer.components.initial_load import InitialSource, check_not_inside
 from trainer.components.loss import LossFn
-from trainer.components.resume import file_sha256, training_settings
-from trainer.components.token_data import (
+from trainer.components.tokenizer import Tokenizer
+from trainer.data.text import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
+from trainer.data.tokens import (
     TokenFileLoader,
     build_token_loader,
     build_token_validation_loader,
     token_fingerprint,
     uses_token_files,
 )
-from trainer.components.tokenizer import Tokenizer
-from trainer.components.validate import Validator
+from trainer.evaluation.validate import Validator
 
 logger = logging.getLogger("kiln")
 
@@ -222,7 +222,7 @@ class BuiltModel:
     pipeline: PipelinePlan | None = None  # the stages and the schedule; None without pipeline parallelism
     stage_ids: tuple[int, ...] = (0,)  # the stages `parts` are, under pipeline parallelism
     # state-dict keys (whole tensors' shapes) held by the other ranks of this rank's pipeline: a checkpoint of the
-    # whole model is checked and loaded against them too (trainer/components/checkpoint.py check_matches)
+    # whole model is checked and loaded against them too (trainer/checkpoint/manager.py check_matches)
     held_elsewhere: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     cp: ContextParallel | None = None  # this rank's context parallelism (the blocks' attention, the batch's split)
 
@@ -364,7 +364,7 @@ def claim_checkpoint_folder(cfg: JobConfig) -> FolderClaim | None:
 def run_settings(
     cfg: JobConfig, args: ModelArgs, global_batch: int, loader: DataLoader | TokenFileLoader
 ) -> dict[str, Any]:
-    """What a resume is checked against (trainer/components/resume.py): shapes, batch, data, tokenizer."""
+    """What a resume is checked against (trainer/checkpoint/resume.py): shapes, batch, data, tokenizer."""
     if isinstance(loader, TokenFileLoader):
         fingerprint = token_fingerprint(cfg.training)
     else:

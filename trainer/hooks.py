@@ -28,16 +28,16 @@ from float8.numerics import NumericsObservatory
 from float8.numerics_report import NumericsReport
 from kiln_base.config import Float8, JobConfig, Profiling
 from kiln_base.errors import TrainingStopped
-from trainer.components.checkpoint import CheckpointManager
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.components.dist import set_collective_timeout
 from trainer.components.metrics import MetricsLogger
 from trainer.components.preemption import StopOnSignal
-from trainer.components.validate import ValidationResult, Validator
+from trainer.evaluation.validate import ValidationResult, Validator
 from trainer.tools.guards import NonFiniteGuard
 from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 if TYPE_CHECKING:
-    from trainer.components.downstream_eval import DownstreamEval
+    from trainer.evaluation.downstream import DownstreamEval
 
 logger = logging.getLogger("kiln")
 
@@ -158,7 +158,7 @@ def validation_due(step: int, freq: int) -> bool:
 
 class ValidationHook(StepHook):
     """validation.enable: the loss on held-out data after the optimizer step of step 1 and of every validation.freq-th
-    step (trainer/components/validate.py); the step's log line shows it. Its time is left out of tokens/s."""
+    step (trainer/evaluation/validate.py); the step's log line shows it. Its time is left out of tokens/s."""
 
     def __init__(self, validator: Validator, freq: int, metrics: MetricsLogger) -> None:
         self.validator, self.freq, self.metrics = validator, freq, metrics
@@ -174,7 +174,7 @@ class ValidationHook(StepHook):
 
 class DownstreamEvalHook(StepHook):
     """eval.enable: lm-eval multiple-choice accuracy of the weights after the optimizer step of step 1, every
-    eval.freq-th step and the last step (trainer/components/downstream_eval.py). Its own log line on the logging rank
+    eval.freq-th step and the last step (trainer/evaluation/downstream.py). Its own log line on the logging rank
     and kiln/eval/<task>/acc, acc_norm and kiln/eval_seconds on the dashboards; its time is left out of tokens/s."""
 
     def __init__(self, downstream: DownstreamEval, freq: int, metrics: MetricsLogger) -> None:

@@ -34,15 +34,15 @@ from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import loss_parallel_enabled
 from trainer import build
-from trainer.components.checkpoint import step_dir
-from trainer.components.checkpoint_folder import FolderClaim
+from trainer.checkpoint.folder import FolderClaim
+from trainer.checkpoint.initial_load import InitialSource, load_initial, open_source
+from trainer.checkpoint.manager import step_dir
+from trainer.checkpoint.resume import apply_config_hyperparameters, check_resume
 from trainer.components.dist import PeerWatch, set_determinism
 from trainer.components.fault_tolerance import ReplicaGroup, data_parallel_share
-from trainer.components.initial_load import InitialSource, load_initial, open_source
 from trainer.components.loss import build_loss_fn, row_log_likelihood
 from trainer.components.metrics import MetricsLogger
 from trainer.components.optim import build_lr_scheduler, build_optimizer
-from trainer.components.resume import apply_config_hyperparameters, check_resume
 from trainer.components.scalar_writers import open_scalar_writers
 from trainer.components.tokenizer import load_tokenizer
 from trainer.hooks import StepHook, StepOutput, build_hooks
@@ -50,7 +50,7 @@ from trainer.tools.guards import NonFiniteGuard, NonFiniteSkip
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 
 if TYPE_CHECKING:
-    from trainer.components.downstream_eval import DownstreamEval
+    from trainer.evaluation.downstream import DownstreamEval
 
 logger = logging.getLogger("kiln")
 
@@ -248,7 +248,7 @@ class Trainer:
         return {"step": self.step, "settings": json.dumps(self.settings, sort_keys=True)}
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
-        """Restore the step; refuse (CheckpointError) or warn about changed settings (trainer/components/resume.py)."""
+        """Restore the step; refuse (CheckpointError) or warn about changed settings (trainer/checkpoint/resume.py)."""
         where = f"checkpoint {step_dir(self.checkpointer.folder, int(state['step']))}"
         saved = json.loads(str(state["settings"]))
         for line in check_resume(saved, self.settings, where, self.cfg.training.allow_data_change):
@@ -299,7 +299,7 @@ class Trainer:
     def _downstream_eval(self, cfg: JobConfig) -> DownstreamEval:
         """[eval]: the tasks (loaded now: a task that cannot run stops the run before its first step) and kiln's
         model behind lm-eval's interface, scoring through eval_log_likelihood."""
-        from trainer.components.downstream_eval import Layout, build_downstream_eval  # lm-eval: an optional extra
+        from trainer.evaluation.downstream import Layout, build_downstream_eval  # lm-eval: an optional extra
 
         dims = self.parallel_dims
         layout = Layout(

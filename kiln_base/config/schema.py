@@ -336,7 +336,7 @@ def validation_shape(v: Validation, t: Training) -> tuple[int, int]:
 @dataclass
 class Eval:
     """[eval]: downstream multiple-choice accuracy in the loop: lm-evaluation-harness tasks from local files, scored
-    by the sharded model (trainer/components/downstream_eval.py, docs/evaluation.md). Needs the eval extra."""
+    by the sharded model (trainer/evaluation/downstream.py, docs/evaluation.md). Needs the eval extra."""
 
     enable: bool = _f(
         False,

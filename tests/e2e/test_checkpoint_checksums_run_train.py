@@ -1,5 +1,5 @@
 """A flipped bit in one rank's checkpoint file, through run_train.sh on 2 ranks (FSDP, the checkpoint saved in the
-background): one line naming the file, exit 2 (trainer/components/checkpoint_checksums.py; every rank checks its
+background): one line naming the file, exit 2 (trainer/checkpoint/checksums.py; every rank checks its
 share of the files and all raise the first mismatch)."""
 
 from __future__ import annotations

@@ -174,8 +174,8 @@ def final_weights(dump: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainer.components.checkpoint import is_model_key, read_metadata
-    from trainer.components.checkpoint_reader import SafeFileSystemReader
+    from trainer.checkpoint.manager import is_model_key, read_metadata
+    from trainer.checkpoint.reader import SafeFileSystemReader
 
     path = str(dump / "checkpoint" / "step-6")
     md = read_metadata(path)

@@ -182,7 +182,7 @@ def test_schedule_matches_one_process(schedule: str, runs: dict[str, Any]) -> No
 
 
 def test_resume_is_bitwise_and_each_stage_saves_its_part(runs: dict[str, Any]) -> None:
-    from trainer.components.checkpoint import read_metadata
+    from trainer.checkpoint.manager import read_metadata
 
     straight = _merged(runs, "1F1B", "losses")
     assert _merged(runs, "resumed", "losses") == straight[2:]

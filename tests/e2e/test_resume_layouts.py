@@ -4,7 +4,7 @@ Each scenario trains the debug model (2 layers, seq 32, global batch 4, fp32 par
 with a checkpoint every 2, copies `step-2` into a fresh dump folder and resumes there to step 4, through the path
 users run (`parse_args` + `Trainer`, gloo ranks). Same layout and recipe: steps 3-4 must equal the straight run's
 bitwise. A changed recipe (bf16 -> float8, float8 -> bf16, tensorwise -> rowwise) is allowed with a warning
-(trainer/components/resume.py) and must train on from step 3 with finite losses.
+(trainer/checkpoint/resume.py) and must train on from step 3 with finite losses.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from tests.helpers.loss_runs import drive, save_initial_weights, with_init
 from tests.helpers.megatron_data import corpus_documents, megatron_write
 from tests.helpers.run_files import tensorboard_scalars
 from tests.helpers.scripts import load_script
-from trainer.components.token_files import write_index, write_stats
+from trainer.data.token_files import write_index, write_stats
 
 P = "--parallelism."
 ONE_DP = (f"{P}data_parallel_shard_degree", "1", "--training.local_batch_size", "4")

@@ -87,7 +87,7 @@ def test_mxfp8_checkpoint_state_is_plain(tmp_path: Path) -> None:
     """What a checkpoint saves of an MXFP8 Linear, weight and AdamW states alike (zeros_like keeps torchao's wrapper
     class), is plain tensors sharing the parameter's storage: DCP's torch.load(weights_only=True) refused the
     wrapper class, so no MXFP8 run could resume."""
-    from trainer.components.checkpoint import plain_tensor
+    from trainer.checkpoint.manager import plain_tensor
 
     mx, _ = _mx_linear("mxfp8_rceil")
     opt = torch.optim.AdamW(mx.parameters())

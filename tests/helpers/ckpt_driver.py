@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from kiln_base.config import parse_args  # noqa: E402
-from trainer.components.checkpoint import CheckpointManager  # noqa: E402
+from trainer.checkpoint.manager import CheckpointManager  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 

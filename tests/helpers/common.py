@@ -26,6 +26,36 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 TOKENIZER_PATH = ROOT / "assets" / "tokenizer" / "tokenizer.model"
+
+
+def project_files(*suffixes: str) -> list[Path]:
+    """The project's own files ending in `suffixes`, as git sees them (tracked, or new and not ignored), sorted;
+    never a virtual environment's or a dot-folder's files, wherever they sit in the checkout. Without git (an
+    unpacked archive), every file under ROOT outside those folders."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        paths = [ROOT / p for p in out.split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [p for p in ROOT.rglob("*") if p.is_file()]
+    venvs: dict[Path, bool] = {}
+
+    def outside(path: Path) -> bool:
+        for parent in path.relative_to(ROOT).parents:
+            if parent.name.startswith("."):
+                return False
+            if parent not in venvs:
+                venvs[parent] = (ROOT / parent / "pyvenv.cfg").exists()
+            if venvs[parent]:
+                return False
+        return True
+
+    return sorted(p for p in paths if p.name.endswith(suffixes) and p.is_file() and outside(p))
+
+
 # A guard against hangs, never a verdict: a loaded 2-core machine can take minutes to import torch in a subprocess.
 HANG_TIMEOUT_S = 900
 

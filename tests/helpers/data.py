@@ -14,8 +14,8 @@ from typing import Any
 
 from kiln_base.config import Training
 from tests.helpers.common import TOKENIZER_PATH
-from trainer.components.data import build_dataloader
 from trainer.components.tokenizer import Tokenizer
+from trainer.data.text import build_dataloader
 
 TOKENIZER = Tokenizer(str(TOKENIZER_PATH))
 GOOD = [json.dumps({"text": f"record {i} " + "word " * 30}) for i in range(6)]  # 69 tokens each

@@ -50,7 +50,7 @@ def read_md(step: Path) -> Any:
 
 def reseal(step: Path) -> None:
     """Make the checksums in `step`'s kiln.json those of its files as they are now (no-op without a kiln.json)."""
-    from trainer.components.checkpoint_checksums import file_checksum
+    from trainer.checkpoint.checksums import file_checksum
 
     marker = step / "kiln.json"
     if not marker.is_file():

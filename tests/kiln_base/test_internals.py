@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kiln_base import internals
+from tests.helpers.common import project_files
 from tests.helpers.distributed import free_port
 from tests.helpers.kiln_process import run_python
 
@@ -441,7 +442,7 @@ def _private_uses(path: Path, name: str) -> Iterator[str]:
 
 def test_private_internals_only_in_trainer_internals() -> None:
     found = []
-    for path in sorted(ROOT.glob("**/*.py")):
+    for path in project_files(".py"):
         rel = path.relative_to(ROOT)
         if (
             rel.parts[0] in ("tests", "gpu_bundle")

@@ -17,7 +17,7 @@ import tomllib
 import train as train_entry
 from models import LLAMA3_FLAVORS
 from tests.helpers.common import DEBUG_CONFIG, tiny_run_args
-from trainer.components.hf import hf_config
+from trainer.checkpoint.hf import hf_config
 
 VOCAB = 2256  # the debug tokenizer's
 # name: (the model fields, ModelArgs' names, that make the shape bad; world size; what the one line must say, a

@@ -21,7 +21,7 @@ from models import LLAMA3_FLAVORS, ModelArgs
 from tests.helpers.checkpoints import SMALL, TINY, names, snapshot, train_tiny
 from tests.helpers.hostile import reseal
 from tests.helpers.kiln_process import CKPT_DRIVER, run_kiln
-from trainer.components.checkpoint import CheckpointManager, complete_steps, read_metadata
+from trainer.checkpoint.manager import CheckpointManager, complete_steps, read_metadata
 from trainer.trainer import Trainer
 
 

@@ -1,4 +1,4 @@
-"""Checksums of every checkpoint file (trainer/components/checkpoint_checksums.py): recorded in kiln.json where each
+"""Checksums of every checkpoint file (trainer/checkpoint/checksums.py): recorded in kiln.json where each
 file is written (in the background thread under async saves), verified before a load reads a record; a damaged
 file is one line naming it, a checkpoint without checksums loads with one line saying it is unverified."""
 
@@ -15,8 +15,8 @@ import pytest
 import train as train_entry
 from tests.helpers.checkpoints import TINY, train_tiny
 from tests.helpers.common import LogLines
-from trainer.components import checkpoint_checksums
-from trainer.components.checkpoint_checksums import file_checksum
+from trainer.checkpoint import checksums as checkpoint_checksums
+from trainer.checkpoint.checksums import file_checksum
 
 CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2")
 

@@ -13,8 +13,8 @@ import torch
 from kiln_base.config import Training
 from kiln_base.errors import ConfigError, DataError
 from tests.helpers.common import HANG_TIMEOUT_S, TOKENIZER_PATH
-from trainer.components.data import DataLoader, build_dataloader
 from trainer.components.tokenizer import Tokenizer
+from trainer.data.text import DataLoader, build_dataloader
 
 TOKENIZER = Tokenizer(str(TOKENIZER_PATH))
 

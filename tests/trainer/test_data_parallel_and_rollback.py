@@ -46,8 +46,8 @@ def _rank_batches(replicate: int, shard: int, tp: int, steps: int) -> list[list[
 def _global_batches(dp_degree: int, steps: int) -> list[list[list[int]]]:
     """One process reading the whole global batch (dp_degree x local batch 2) of each step."""
     from kiln_base.config import parse_args
-    from trainer.components.data import build_dataloader
     from trainer.components.tokenizer import load_tokenizer
+    from trainer.data.text import build_dataloader
 
     cfg = parse_args(tiny_run_args("--training.local_batch_size", str(2 * dp_degree), "--training.data_prefetch", "0"))
     loader = build_dataloader(cfg.training, load_tokenizer(cfg.model.tokenizer_path), 0, 1)

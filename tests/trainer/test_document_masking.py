@@ -15,8 +15,8 @@ from kiln_base.config import ActivationCheckpoint, JobConfig
 from kiln_base.internals import cpu_flex_backward, dynamo_graphs_compiled
 from models import LLAMA3_FLAVORS, Transformer
 from parallelisms.activation_checkpoint import SAC_SAVE_LIST, apply_ac
-from trainer.components.data import build_dataloader
-from trainer.components.resume import check_resume, training_settings
+from trainer.checkpoint.resume import check_resume, training_settings
+from trainer.data.text import build_dataloader
 from trainer.hooks import StepHook, StepOutput
 from trainer.tools.saved_activations import SavedActivationReport, measure_saved_activations
 

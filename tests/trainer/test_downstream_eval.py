@@ -1,4 +1,4 @@
-"""Downstream evaluation ([eval], trainer/components/downstream_eval.py) on one rank, through the Trainer: when it
+"""Downstream evaluation ([eval], trainer/evaluation/downstream.py) on one rank, through the Trainer: when it
 runs, what it logs (the line, TensorBoard), that it leaves training alone, that each request's log-likelihood is the
 model's (whatever the batch it was padded into), the bundled task and the task checks.
 
@@ -22,7 +22,7 @@ from kiln_base.errors import ConfigError
 from tests.helpers.common import ROOT, kiln_log_lines, open_trainer, tiny_run_args
 from tests.helpers.run_files import tensorboard_scalars
 from tests.helpers.scripts import load_script
-from trainer.components.downstream_eval import IGNORE, load_tasks, padded_length
+from trainer.evaluation.downstream import IGNORE, load_tasks, padded_length
 
 TASK_DIR = ROOT / "assets" / "eval" / "kiln_cloze"
 STEPS = 4
@@ -183,7 +183,7 @@ def test_a_task_whose_data_does_not_load_is_refused(tmp_path: Path) -> None:
 def test_eval_time_is_left_out_of_tokens_per_second() -> None:
     """The hook hands the evaluation's seconds to MetricsLogger.discount (the next line's tps and mfu leave them
     out, as validation's do), on step 1, every freq steps and the last step only."""
-    from trainer.components.downstream_eval import EvalResult
+    from trainer.evaluation.downstream import EvalResult
     from trainer.hooks import DownstreamEvalHook, StepOutput
 
     class Slow:

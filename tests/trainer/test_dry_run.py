@@ -140,7 +140,7 @@ def test_width_overrides_with_from_checkpoint_may_only_repeat_the_stored_shape()
     from kiln_base.config import FROM_CHECKPOINT, Model
     from kiln_base.errors import ConfigError
     from trainer.build import model_args
-    from trainer.components.initial_load import InitialSource
+    from trainer.checkpoint.initial_load import InitialSource
 
     stored = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256)  # n_kv_heads None: 16 kv heads
     source = InitialSource("ckpt", "kiln", stored)

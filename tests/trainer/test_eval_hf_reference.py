@@ -18,7 +18,7 @@ import pytest
 from kiln_base.config import Eval
 from tests.helpers.common import ROOT, open_trainer, tiny_run_args
 from tests.helpers.scripts import load_script
-from trainer.components.downstream_eval import load_tasks
+from trainer.evaluation.downstream import load_tasks
 
 pytestmark = pytest.mark.slow
 

@@ -406,7 +406,7 @@ def test_checkpoints_saved_before_the_rope_fields_still_resume() -> None:
     """A full checkpoint's stored model settings predate rope_scaling_factor, context_len...: missing fields take
     their defaults (what the model computed then), so it resumes; a real change is still refused."""
     from kiln_base.errors import CheckpointError
-    from trainer.components.resume import check_resume
+    from trainer.checkpoint.resume import check_resume
 
     args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=VOCAB)
     current = {"model": {k: v for k, v in dataclasses.asdict(args).items() if k not in ("max_seq_len", "depth_init")}}

@@ -278,7 +278,7 @@ def test_a_kill_at_any_moment_of_a_save_leaves_a_folder_the_next_start_resumes(
 ) -> None:
     """Killed while marking a new `.tmp` (before, a `step-4.tmp` without its mark made every later start refuse
     the folder) or while deleting one: the next start removes kiln's private leftovers and resumes."""
-    import trainer.components.checkpoint_folder as folder_module
+    import trainer.checkpoint.folder as folder_module
 
     real_write_json = folder_module.write_json
 

@@ -10,7 +10,7 @@ import numpy as np
 from tests.helpers.data import TOKENIZER
 from tests.helpers.megatron_data import CORPUS, corpus_documents, megatron_read, megatron_write
 from tests.helpers.scripts import load_script
-from trainer.components.token_files import open_token_file, read_index
+from trainer.data.token_files import open_token_file, read_index
 
 
 def test_megatron_reads_what_the_tokenize_command_writes(tmp_path: Path) -> None:

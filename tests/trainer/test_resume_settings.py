@@ -23,9 +23,9 @@ from models import ModelArgs
 from tests.helpers.checkpoints import TINY, train_tiny
 from tests.helpers.common import ROOT
 from tests.helpers.data import GOOD
-from trainer.components.checkpoint import read_metadata
+from trainer.checkpoint.manager import read_metadata
+from trainer.checkpoint.resume import check_resume
 from trainer.components.optim import lr_factor
-from trainer.components.resume import check_resume
 from trainer.trainer import Trainer
 
 CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--training.steps", "4")

@@ -1,4 +1,4 @@
-"""Token files (trainer/components/token_files.py), the sample index and mix (sample_index.py), the loader
+"""Token files (trainer/data/token_files.py), the sample index and mix (sample_index.py), the loader
 (token_data.py): formats read and written, every bad file named in one error, the global sample order the same in
 every data-parallel layout, the mix exact to two samples, the loader state one integer."""
 
@@ -17,16 +17,16 @@ from kiln_base.config import DatasetSource, Training, parse_args
 from kiln_base.errors import CheckpointError, ConfigError, DataError
 from tests.helpers.data import TOKENIZER, loader
 from tests.helpers.scripts import load_script
-from trainer.components.resume import OPTIMIZER, REFUSED, SCHEDULE, WARNED, check_resume
-from trainer.components.sample_index import BLOCK, Mixture, Source, open_mixture
-from trainer.components.token_data import TokenFileLoader, build_token_loader, token_fingerprint
-from trainer.components.token_files import (
+from trainer.checkpoint.resume import OPTIMIZER, REFUSED, SCHEDULE, WARNED, check_resume
+from trainer.data.sample_index import BLOCK, Mixture, Source, open_mixture
+from trainer.data.token_files import (
     TokenFile,
     open_token_file,
     read_index,
     write_index,
     write_stats,
 )
+from trainer.data.tokens import TokenFileLoader, build_token_loader, token_fingerprint
 
 V = TOKENIZER.n_words
 
@@ -336,8 +336,8 @@ def test_validation_from_token_files_reads_the_text_paths_batches_in_order(tmp_p
     """Validation windows are not shuffled: the tokenized validation split gives the text path's batches, in order."""
     from kiln_base.config import Validation
     from tests.helpers.megatron_data import ROOT
-    from trainer.components.data import build_validation_loader
-    from trainer.components.token_data import build_token_validation_loader
+    from trainer.data.text import build_validation_loader
+    from trainer.data.tokens import build_token_validation_loader
 
     text = ROOT / "assets" / "corpus" / "kiln_corpus_validation.jsonl"
     assert load_script("tokenize_data").main([str(text), str(tmp_path / "val")]) == 0

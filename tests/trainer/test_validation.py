@@ -1,4 +1,4 @@
-"""Validation ([validation], trainer/components/validate.py): it never touches training, it is deterministic, it
+"""Validation ([validation], trainer/evaluation/validate.py): it never touches training, it is deterministic, it
 shows in the step log and TensorBoard, and a short validation set ends cleanly.
 
 The runs are shared: the tiny fp32 debug model (2 layers), 6 steps, with validation off, every 2 steps and every 4
@@ -18,9 +18,9 @@ import train
 from kiln_base.config import Validation
 from kiln_base.errors import ConfigError
 from tests.helpers.common import TOKENIZER_PATH, kiln_log_lines, open_trainer, tiny_run_args
-from trainer.components.data_sources import DATASETS, check_data_source
 from trainer.components.tokenizer import load_tokenizer
-from trainer.components.validate import ValidationResult
+from trainer.data.sources import DATASETS, check_data_source
+from trainer.evaluation.validate import ValidationResult
 
 STEPS = 6
 VAL = ("--validation.enable", "--validation.steps", "3")

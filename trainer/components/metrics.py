@@ -3,7 +3,7 @@
     step: 10  loss:  7.1234  memory:  1.23GiB(4.56%)  tps: 12,345  mfu: 12.34%  grad_norm: ...
 
 With validation on, a validation step's line ends with `val_loss: 7.3012  val_ppl: 1483.09`
-(trainer/components/validate.py); the scalar writers (TensorBoard, W&B) get kiln/val_loss and kiln/val_ppl at that step.
+(trainer/evaluation/validate.py); the scalar writers (TensorBoard, W&B) get kiln/val_loss and kiln/val_ppl at that step.
 
 memory is the peak reserved device memory since the last log line and its share of capacity; on CPU it
 is the process's peak RSS and its share of system RAM (said once at start-up). MFU is measured against

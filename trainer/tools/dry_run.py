@@ -39,7 +39,7 @@ from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import StagedModel
 from trainer.build import build_model, flops_line, local_params, model_args
-from trainer.components.initial_load import open_source
+from trainer.checkpoint.initial_load import open_source
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
 

@@ -27,7 +27,7 @@ logger = logging.getLogger("kiln")
 
 def last_checkpoint(folder: str) -> str:
     """The newest complete `step-N` checkpoint in `folder` (unfinished `.tmp` saves never count), or 'none'."""
-    from trainer.components.checkpoint import complete_steps, step_dir
+    from trainer.checkpoint.manager import complete_steps, step_dir
 
     steps = complete_steps(folder)
     return step_dir(folder, steps[-1]) if steps else "none"

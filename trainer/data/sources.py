@@ -1,6 +1,6 @@
 """Where the text comes from: the registered datasets, local files and their formats, the first-record check,
 and the streaming HF `datasets` source. Torch-free, so the launcher and train.py check a dataset before any
-rank imports torch (`check_data_source`); trainer/components/data.py tokenizes and batches what this yields.
+rank imports torch (`check_data_source`); trainer/data/text.py tokenizes and batches what this yields.
 """
 
 from __future__ import annotations
@@ -223,14 +223,14 @@ def check_data_source(cfg: Training | Validation, n_words: int | None = None) ->
     """The dataset name is registered, and a local dataset's files exist, share one format and start with a
     good record (ConfigError / DataError naming the key, file and line). A hub dataset is only named here.
     Token files (with the tokenizer's `n_words`) are opened and checked: headers, index against token file, dtype
-    and recorded largest id against the vocabulary (trainer/components/token_files.py)."""
+    and recorded largest id against the vocabulary (trainer/data/token_files.py)."""
     section = "validation" if isinstance(cfg, Validation) else "training"
-    from trainer.components.token_files import is_token_path
+    from trainer.data.token_files import is_token_path
 
     mix = cfg.dataset_mix if isinstance(cfg, Training) else []
     if mix or (cfg.dataset_path is not None and is_token_path(cfg.dataset_path)):
         if n_words is not None:
-            from trainer.components.sample_index import open_mixture
+            from trainer.data.sample_index import open_mixture
 
             paths = [(s.path, s.weight, s.max_epochs) for s in mix] or [(str(cfg.dataset_path), 1.0, None)]
             seq_len = cfg.seq_len if cfg.seq_len is not None else 1  # validation's unset seq_len: training's

@@ -1,7 +1,7 @@
 """Validation: the loss of the current weights on held-out data, outside training.
 
 torchtitan's [validation] (kiln_base/config/schema.py, `Validation`): every validation reads the validation set
-from its start, in the same global order as training data (trainer/components/data.py: every rank streams the whole
+from its start, in the same global order as training data (trainer/data/text.py: every rank streams the whole
 set and keeps its slice of each round of dp_degree x local batch windows), for `steps` batches or the whole set.
 So the loss at a step depends on the weights only: not on `validation.freq`, not on the layout.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln_base.errors import DataError
-from trainer.components.data import DataLoader
-from trainer.components.token_data import TokenFileLoader
+from trainer.data.text import DataLoader
+from trainer.data.tokens import TokenFileLoader
 
 logger = logging.getLogger("kiln")
 

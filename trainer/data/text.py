@@ -1,4 +1,4 @@
-"""Text datasets (trainer/components/data_sources.py: local JSON Lines read directly, the rest streamed with HF
+"""Text datasets (trainer/data/sources.py: local JSON Lines read directly, the rest streamed with HF
 `datasets`), tokenized and packed into seq_len+1 windows in one global order.
 
 The sample order is global (Megatron's global sample index; torchtitan instead splits the dataset per rank,
@@ -27,7 +27,8 @@ import torch
 
 from kiln_base.config import Training, Validation, validation_shape
 from kiln_base.errors import CheckpointError, DataError
-from trainer.components.data_sources import (
+from trainer.components.tokenizer import Tokenizer
+from trainer.data.sources import (
     DATASETS,
     HFStream,
     JsonLinesFiles,
@@ -35,7 +36,6 @@ from trainer.components.data_sources import (
     load_text_dataset,
     record_problem,
 )
-from trainer.components.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln")
 

@@ -1,7 +1,7 @@
 """Batches from pre-tokenized files for one data-parallel rank: training.dataset_path or validation.dataset_path
 naming token files, or training.dataset_mix (docs/data.md).
 
-The global sample order is the mixture's (trainer/components/sample_index.py): step N's global batch is samples
+The global sample order is the mixture's (trainer/data/sample_index.py): step N's global batch is samples
 [N x global batch, (N+1) x global batch), and in each round of dp_degree x local_batch_size samples rank r takes
 samples r x local_batch_size onwards, the text path's rule. A rank computes where its own samples lie and copies
 their windows out of the memory-mapped files: nothing else is read, so its cost per batch is the same at any
@@ -20,8 +20,8 @@ import torch
 
 from kiln_base.config import Training, Validation, validation_shape
 from kiln_base.errors import DataError
-from trainer.components.sample_index import Mixture, open_mixture
-from trainer.components.token_files import is_token_path, token_file_paths
+from trainer.data.sample_index import Mixture, open_mixture
+from trainer.data.token_files import is_token_path, token_file_paths
 
 logger = logging.getLogger("kiln")
 

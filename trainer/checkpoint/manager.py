@@ -5,7 +5,7 @@ Layout: `{folder}/step-N/` holds one torch.distributed.checkpoint (DCP) save (`.
 saves are exports, `{folder}/export-step-N/`, and never a resume point. Keys follow torchtitan,
 so its users' tools read kiln checkpoints: model weights at the top level (`layers.0.attention.wq.weight`),
 then `optimizer.*` (flattened, keyed by parameter name), `lr_scheduler.*`, `dataloader.*` (the global data
-position, the same on every rank) and `train_state.step` / `train_state.settings` (trainer/components/resume.py).
+position, the same on every rank) and `train_state.step` / `train_state.settings` (trainer/checkpoint/resume.py).
 A weights-only save holds the model keys alone.
 
 Atomicity: rank 0 creates `step-N.tmp` with a `.kiln-saving` mark, every rank writes into it; DCP writes
@@ -13,8 +13,8 @@ Atomicity: rank 0 creates `step-N.tmp` with a `.kiln-saving` mark, every rank wr
 renames the folder to `step-N`. Only complete `step-N` folders count as checkpoints, so a process killed
 mid-save leaves the previous checkpoint as the latest; the marked `.tmp` is removed at the next start.
 
-Safety: every read goes through trainer/components/checkpoint_reader.py (no code runs from a checkpoint); the folder's
-lock, names and retention rules are in trainer/components/checkpoint_folder.py.
+Safety: every read goes through trainer/checkpoint/reader.py (no code runs from a checkpoint); the folder's
+lock, names and retention rules are in trainer/checkpoint/folder.py.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor
 from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
 from kiln_base.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
-from trainer.components.checkpoint_checksums import ChecksummingWriter, collect, verify
-from trainer.components.checkpoint_folder import (
+from trainer.checkpoint.checksums import ChecksummingWriter, collect, verify
+from trainer.checkpoint.folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
     FolderClaim,
@@ -59,7 +59,7 @@ from trainer.components.checkpoint_folder import (
     save_name,
     scan,
 )
-from trainer.components.checkpoint_reader import (
+from trainer.checkpoint.reader import (
     IncompleteCheckpointError,
     check_loaded_state,
     load,

@@ -24,11 +24,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln_base.errors import CheckpointError, ConfigError
 from kiln_base.files import loads_json, read_bounded
 from models.args import ModelArgs, stored_model_args
-from trainer.components.checkpoint import MARKER, read_metadata, resolve_step_dir
-from trainer.components.checkpoint_checksums import verify
-from trainer.components.checkpoint_folder import MARKER_LIMIT, agree
-from trainer.components.checkpoint_reader import check_loaded_state
-from trainer.components.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
+from trainer.checkpoint.checksums import verify
+from trainer.checkpoint.folder import MARKER_LIMIT, agree
+from trainer.checkpoint.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
+from trainer.checkpoint.manager import MARKER, read_metadata, resolve_step_dir
+from trainer.checkpoint.reader import check_loaded_state
 
 logger = logging.getLogger("kiln")
 KEY = "checkpoint.initial_load_path"
@@ -83,7 +83,7 @@ def check_not_inside(source: InitialSource, checkpoint_folder: str) -> None:
 
 
 def _model_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    from trainer.components.checkpoint import plain_tensor
+    from trainer.checkpoint.manager import plain_tensor
 
     return {k: plain_tensor(v) for k, v in get_model_state_dict(model).items()}
 
@@ -131,8 +131,8 @@ def load_initial(
         if missing:
             raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
     else:
-        from trainer.components.checkpoint import check_matches
-        from trainer.components.checkpoint_reader import load
+        from trainer.checkpoint.manager import check_matches
+        from trainer.checkpoint.reader import load
 
         md = read_metadata(source.path)
         check_matches(source.path, targets, md, weights_only=True, held_elsewhere=elsewhere)

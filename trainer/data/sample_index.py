@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln_base.errors import DataError
-from trainer.components.token_files import TokenFile, open_token_file, token_file_paths
+from trainer.data.token_files import TokenFile, open_token_file, token_file_paths
 
 BLOCK = 4096  # samples per mixing block: the mix is exact to one sample per source at every multiple of it
 
