@@ -182,7 +182,7 @@ def _run(argv: list[str] | None, started: list) -> int:
                 raise
             raise PeersLost(*lost) from None
         except TimeoutError:  # torchft's quorum: no answer within comm.init_timeout_seconds
-            if trainer.ft is None:
+            if not trainer.cfg.fault_tolerance.enable:
                 raise
             raise PeersLost(*_no_quorum(trainer)) from None
         finally:

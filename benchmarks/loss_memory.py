@@ -36,10 +36,10 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
 
     cfg = parse_args([*argv, "--training.compile=false", "--metrics.enable_tensorboard=false"])
     trainer = Trainer(cfg)
-    trainer.loss_fn = build_loss_fn(compiled)
+    trainer.train_step.loss_fn = build_loss_fn(compiled)
     try:
         inputs, labels = (t.to(trainer.device) for t in next(trainer.dataloader))
-        trainer.forward_backward(inputs, labels)  # warm-up: compiles the loss, allocates the gradients
+        trainer.train_step.forward_backward(inputs, labels)  # warm-up: compiles the loss, allocates the gradients
         cuda = trainer.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -49,7 +49,7 @@ def measure(argv: list[str], compiled: bool) -> dict[str, float | str]:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             before = _proc_kib("VmRSS") * 1024
-        loss = trainer.forward_backward(inputs, labels)
+        loss = trainer.train_step.forward_backward(inputs, labels)
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()

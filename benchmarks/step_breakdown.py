@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import trainer.trainer as trainer_module  # noqa: E402
+import trainer.step.step as step_module  # noqa: E402
 from kiln_base.config import parse_args  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
@@ -56,8 +56,9 @@ def main(argv: list[str]) -> None:
             return getattr(self.loader, name)
 
     # A benchmark's instrumentation: the trainer's loader and forward_backward are swapped for timed ones.
-    trainer.dataloader = TimedLoader(trainer.dataloader)  # type: ignore[assignment]
-    trainer.forward_backward = timed("forward+backward", trainer.forward_backward)  # type: ignore[method-assign]
+    trainer.train_step.dataloader = TimedLoader(trainer.dataloader)
+    step_fn = trainer.train_step
+    step_fn.forward_backward = timed("forward+backward", step_fn.forward_backward)  # type: ignore[method-assign]
     # Hooks rather than wrapping optimizer.step: LambdaLR checks that step is the optimizer's own method.
     opt_t0 = [0.0]
 
@@ -71,24 +72,24 @@ def main(argv: list[str]) -> None:
 
     trainer.optimizer.register_step_pre_hook(opt_pre)
     trainer.optimizer.register_step_post_hook(opt_post)
-    clip = trainer_module.clip_grad_norm_  # the gradient norm (float64 squares) and the clip
-    trainer_module.clip_grad_norm_ = timed("grad clip", clip)
+    clip = step_module.clip_grad_norm_  # the gradient norm (float64 squares) and the clip
+    step_module.clip_grad_norm_ = timed("grad clip", clip)
 
     per_step: list[dict[str, float]] = []
     gc.disable()
     for step in range(1, cfg.training.steps + 1):
-        trainer.step = step
+        trainer.state.step = step
         if step % cfg.training.gc_freq == 0:
             gc.collect(1)
         times.clear()
         sync()
         t0 = time.perf_counter()
-        loss, _ = trainer.train_step()
+        loss = step_fn(step).loss
         sync()
         times["step"] = time.perf_counter() - t0
         per_step.append(dict(times))
     gc.enable()
-    trainer_module.clip_grad_norm_ = clip
+    step_module.clip_grad_norm_ = clip
     trainer.close()
 
     measured = per_step[1:] or per_step  # the first step pays one-off costs (allocator, compile)

@@ -13,30 +13,48 @@ from kiln_base.internals import flatten_mesh
 
 @dataclass
 class ParallelDims:
-    dp_replicate: int
-    dp_shard: int  # -1 = the rest of the world size
-    tp: int
-    world_size: int
-    cp: int = 1  # context parallel: ranks that split every sequence
-    pp: int = 1  # pipeline parallel: ranks the model's stages are split over
+    degrees: Degrees  # the run plan's (kiln_base.config.plan_run): the one place they are resolved and checked
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)  # flattened dimensions
 
-    def __post_init__(self) -> None:
-        self.dp_shard = resolve_dp_shard(
-            self.dp_replicate, self.dp_shard, self.tp, self.world_size, cp=self.cp, pp=self.pp
-        )
-
     @classmethod
     def of(cls, degrees: Degrees) -> ParallelDims:
-        """The run plan's degrees (kiln_base.config.plan_run), before the mesh is built."""
-        d = degrees
-        return cls(d.dp_replicate, d.dp_shard, d.tp, d.world_size, cp=d.cp, pp=d.pp)
+        """The run plan's degrees, before the mesh is built."""
+        return cls(degrees)
+
+    @classmethod
+    def for_world(
+        cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1, pp: int = 1
+    ) -> ParallelDims:
+        """Degrees given by hand (dp_shard -1: the rest of the world size), checked to multiply to it."""
+        dp_shard = resolve_dp_shard(dp_replicate, dp_shard, tp, world_size, cp=cp, pp=pp)
+        return cls(Degrees(pp, dp_replicate, dp_shard, cp, tp))
 
     @property
-    def degrees(self) -> Degrees:
-        """The degrees and the counts derived from them (fsdp_shards, param_shards, dp_degree: kiln_base.config)."""
-        return Degrees(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    def dp_replicate(self) -> int:
+        return self.degrees.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.degrees.dp_shard
+
+    @property
+    def tp(self) -> int:
+        return self.degrees.tp
+
+    @property
+    def cp(self) -> int:
+        """Context parallel: ranks that split every sequence."""
+        return self.degrees.cp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline parallel: ranks the model's stages are split over."""
+        return self.degrees.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.degrees.world_size
 
     @property
     def dp_replicate_enabled(self) -> bool:

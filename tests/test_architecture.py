@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer.data",),
     ("trainer.checkpoint",),
     ("trainer.evaluation",),
+    ("trainer.step",),  # step < guards, fault_tolerance (the wrappers)
     ("trainer.build",),
     ("trainer.tools",),
     ("trainer.hooks",),

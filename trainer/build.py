@@ -11,16 +11,20 @@
     build_model        ModelArgs -> model on the meta device -> float8 conversion -> (the plan's pipeline stages) ->
                        parallelize (CP, TP, AC, compile, FSDP); this rank's ContextParallel, made once
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
-    pipeline           under pipeline parallelism: the stages as torch PipelineStages and their schedule
-    validator          [validation] on: held-out batches and the loss of the current weights on them
+    step               the step object (trainer/step/step.py): the compute precision, the loss, under pipeline
+                       parallelism the stages as torch PipelineStages and their schedule (PipelineStep)
+    validator          [validation] on: held-out batches and the loss of the current weights on them (the step's
+                       forward)
+    downstream_eval    [eval] on: the lm-eval tasks (loaded now) scored through the step's forward
     checkpointer       the run's checkpoint folder (claimed), what is saved, the settings a resume is checked against
+    wrap_step          after the resume: what wraps the step (fault tolerance, the non-finite skip) and the guard
 
 Before the model: the checkpoint folder is claimed (claim_checkpoint_folder) and the other output folders are
 checked writable (check_output_folders).
 
 Each phase is a function of what it needs, never of the Trainer; the optimizer and LR schedule come from
-trainer/components/optim.py (Trainer._build calls them between `validator` and `checkpointer`); the hooks phase is
-`trainer.hooks.build_hooks`.
+trainer/components/optim.py (Trainer._build calls them between `materialize` and `step`); the hooks phase is
+`trainer.hooks.build_hooks`. A step-level feature is built in `step` or `wrap_step`: the loop never changes.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +41,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.optim.lr_scheduler import LambdaLR
 
 from float8.converter import Float8Converter, build_float8_converter
 from float8.environment import check_cpu_float8
 from kiln_base.config import (
+    CPU_BF16_COST,
     FROM_CHECKPOINT,
     SHAPE_OVERRIDES,
     JobConfig,
     Model,
     PipelinePlan,
     RunPlan,
+    Training,
     check_model_memory,
     check_model_shape,
     check_overrides_match_stored,
@@ -56,6 +62,7 @@ from kiln_base.config import (
     check_same_model,
     logit_tokens,
     plan_run,
+    resolve_mixed_precision,
 )
 from kiln_base.errors import ConfigError
 from kiln_base.files import writable_dir_problem
@@ -64,27 +71,29 @@ from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_
 from models.args import first_difference
 from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from parallelisms.context_parallel import ContextParallel, build_context_parallel
+from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
+from parallelisms.parallelize import loss_parallel_enabled, parallelize_llama
 from parallelisms.pipeline import Pipeline, StagedModel, stage_model
 from parallelisms.seeded_init import init_layout_independent
 from trainer.checkpoint.folder import FolderClaim
 from trainer.checkpoint.initial_load import InitialSource, check_not_inside
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import file_sha256, training_settings
+from trainer.checkpoint.resume import TrainState, file_sha256, training_settings
 from trainer.components.dist import PeerWatch, init_distributed
-from trainer.components.fault_tolerance import checkpoint_subfolder, data_parallel_share
-from trainer.components.loss import LossFn
+from trainer.components.loss import build_loss_fn
 from trainer.components.tokenizer import Tokenizer
-from trainer.data.text import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
+from trainer.data.text import DataLoader, build_dataloader, build_validation_loader
 from trainer.data.tokens import (
     TokenFileLoader,
     build_token_loader,
     build_token_validation_loader,
-    token_fingerprint,
     uses_token_files,
 )
+from trainer.evaluation.downstream import DownstreamEval
 from trainer.evaluation.validate import Validator
+from trainer.step.guards import NonFiniteGuard, NonFiniteSkip
+from trainer.step.step import PipelineStep, StepWrapper, TrainStep
 
 logger = logging.getLogger("kiln")
 
@@ -172,29 +181,24 @@ def parallel_dims(plan: RunPlan, device_type: str) -> ParallelDims:
 
 
 def data(
-    cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, global_batch: int
+    cfg: JobConfig, tokenizer: Tokenizer, plan: RunPlan, dims: ParallelDims, device: torch.device
 ) -> DataLoader | TokenFileLoader:
     """This data-parallel rank's slice of every global batch (the ranks of one TP or CP group, and of one pipeline,
     read the same batches: the `dp` mesh leaves tp, cp and pp out; a CP rank keeps its part of each sequence:
-    Trainer.local_batch). Token files (docs/data.md) or text tokenized on the fly; under fault tolerance each replica
-    group reads its share of the global batch."""
-    dp_rank, dp_degree = data_parallel_share(cfg.fault_tolerance, dims.dp_mesh.get_local_rank(), dims.dp_degree)
+    TrainStep.local_batch). Token files (docs/data.md) or text tokenized on the fly, decided here once; under fault
+    tolerance each replica group reads its share of the global batch (the plan's data streams)."""
+    stream, streams = plan.batch.stream(dims.dp_mesh.get_local_rank()), plan.batch.data_streams
     pin = device.type == "cuda"
     if uses_token_files(cfg.training):
-        return build_token_loader(cfg.training, tokenizer.n_words, dp_rank, dp_degree, global_batch, pin)
-    return build_dataloader(cfg.training, tokenizer, dp_rank, dp_degree, pin_memory=pin)
+        return build_token_loader(cfg.training, tokenizer.n_words, stream, streams, plan.global_batch, pin)
+    return build_dataloader(cfg.training, tokenizer, stream, streams, pin_memory=pin)
 
 
 def validator(
-    cfg: JobConfig,
-    tokenizer: Tokenizer,
-    dims: ParallelDims,
-    device: torch.device,
-    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    global_mean: Callable[[torch.Tensor], float],
+    cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, step: TrainStep
 ) -> Validator | None:
     """With validation.enable, the validator: this data-parallel rank's slice of the validation set's batches
-    (opened afresh each validation), the training forward and loss (`loss_of`), the average over the ranks."""
+    (opened afresh each validation), the step's forward and loss, the average over the ranks."""
     if not cfg.validation.enable:
         return None
     dp_rank = dims.dp_mesh.get_local_rank()
@@ -205,10 +209,23 @@ def validator(
             return build_token_validation_loader(v, cfg.training, tokenizer.n_words, dp_rank, dims.dp_degree, pin)
         return build_validation_loader(v, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
 
-    return Validator(open_loader, loss_of, global_mean, cfg.validation.steps, device)
+    return Validator(open_loader, step.evaluate, step.global_mean, cfg.validation.steps, device)
 
 
-@dataclass
+def downstream_eval(
+    cfg: JobConfig, tokenizer: Tokenizer, device: torch.device, step: TrainStep
+) -> DownstreamEval | None:
+    """With eval.enable ([eval]), the tasks (loaded now: a task that cannot run stops the run before its first step)
+    and kiln's model behind lm-eval's interface, scoring through the step's forward in the step's batch layout."""
+    if not cfg.eval.enable:
+        return None
+    from trainer.evaluation.downstream import build_downstream_eval  # lm-eval: an optional extra
+
+    layout = step.eval_layout(compiled=cfg.training.compile)
+    return build_downstream_eval(cfg.eval, tokenizer, step.log_likelihood, layout, cfg.training.seq_len, device)
+
+
+@dataclass(kw_only=True)
 class BuiltModel:
     model: nn.Module  # on the meta device, float8-converted and parallelized: the Transformer, or under pipeline
     # parallelism this rank's stages as one module (parallelisms/pipeline.py StagedModel)
@@ -264,10 +281,19 @@ def build_model(
         tp_plan |= parallelize_llama(
             part, dims, cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.float8, cp=cp
         )
-    whole = parts[0] if plan is None else StagedModel(parts)
-    chosen = flops[cfg.metrics.attention_flops]
     return BuiltModel(
-        whole, list(parts), args, n_params, chosen, flops, linear_fqns, tp_plan, plan, ids, elsewhere, cp=cp
+        model=parts[0] if plan is None else StagedModel(parts),
+        parts=list(parts),
+        args=args,
+        n_params=n_params,
+        flops_per_token=flops[cfg.metrics.attention_flops],
+        flops_per_token_by_convention=flops,
+        linear_fqns=linear_fqns,
+        tp_plan=tp_plan,
+        pipeline=plan,
+        stage_ids=ids,
+        held_elsewhere=elsewhere,
+        cp=cp,
     )
 
 
@@ -276,16 +302,81 @@ def local_params(model: nn.Module) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
 
-def pipeline(
-    cfg: JobConfig, built: BuiltModel, dims: ParallelDims, device: torch.device, loss_fn: LossFn
-) -> Pipeline | None:
-    """Under pipeline parallelism, this rank's stages as torch PipelineStages and the schedule that runs them (under
-    a document mask every stage is handed the token ids its mask is built from)."""
-    if built.pipeline is None:
-        return None
-    group = dims.pp_mesh.get_group()
-    mbs, masks = cfg.parallelism.pipeline_parallel_microbatch_size, built.args.attn_mask_type != "causal"
-    return Pipeline(built.parts, built.pipeline, built.stage_ids, group, device, loss_fn, mbs, masks)
+def log_precision(param: str, precision: str, device_type: str) -> None:
+    """One start-up line with the compute dtype chosen, and one warning when bf16 is forced on a CPU."""
+    how = f"training.mixed_precision_param = {param}" + (f" on {device_type}" if param == "auto" else "")
+    logger.info(f"Mixed precision: {precision} compute, float32 master weights and optimizer state ({how})")
+    if precision == "bfloat16" and device_type == "cpu":
+        logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
+
+
+def compute_precision(t: Training, dims: ParallelDims, device_type: str) -> contextlib.AbstractContextManager:
+    """The autocast that gives the compute dtype (without FSDP's MixedPrecisionPolicy, autocast gives bf16 compute
+    over fp32 master weights); logs the dtype and every gradient reduction's precision."""
+    precision = resolve_mixed_precision(t.mixed_precision_param, device_type)
+    log_precision(t.mixed_precision_param, precision, device_type)
+    logger.info(reduction_line(t, dims.dp_replicate, dims.degrees.fsdp_shards, dims.tp, device_type, dims.pp))
+    autocast = not dims.fully_shard_enabled and precision == "bfloat16"  # FSDP above shards over dp_shard x cp
+    return torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
+def step(
+    cfg: JobConfig,
+    plan: RunPlan,
+    built: BuiltModel,
+    dims: ParallelDims,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: LambdaLR,
+    dataloader: DataLoader | TokenFileLoader,
+    float8: Float8Converter | None,
+) -> TrainStep:
+    """The step object, its variant chosen here once: the whole model (TrainStep) or, under pipeline parallelism,
+    this rank's stages as torch PipelineStages and their schedule (PipelineStep; under a document mask every stage
+    is handed the token ids its mask is built from). The loss is compiled with the model, except over vocab-sharded
+    logits (TP loss parallel)."""
+    t = cfg.training
+    amp = compute_precision(t, dims, device.type)
+    vocab_sharded = loss_parallel_enabled(dims, cfg.parallelism)
+    loss_fn = build_loss_fn(t.compile and not vocab_sharded)
+    pipeline = None
+    if built.pipeline is not None:
+        mbs, masks = cfg.parallelism.pipeline_parallel_microbatch_size, built.args.attn_mask_type != "causal"
+        group = dims.pp_mesh.get_group()
+        pipeline = Pipeline(built.parts, built.pipeline, built.stage_ids, group, device, loss_fn, mbs, masks)
+    variant = TrainStep if pipeline is None else PipelineStep
+    return variant(
+        model=built.model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, dims=dims,
+        grad_accum_steps=plan.grad_accum_steps, loss_fn=loss_fn, amp=amp, loss_parallel=vocab_sharded, cp=built.cp,
+        max_norm=t.max_norm, device=device, float8=float8, pipeline=pipeline,
+    )  # fmt: skip
+
+
+def wrap_step(cfg: JobConfig, plan: RunPlan, step: TrainStep, state: TrainState) -> NonFiniteGuard:
+    """What wraps the step, after the resume (`state.step`: the step resumed at): fault tolerance across replica
+    groups ([fault_tolerance], its quorum compares the resumed step) and training.skip_nonfinite_steps (from the
+    LR schedule as resumed); returns the non-finite guard the hooks check (the skip is one)."""
+    t, wrappers = cfg.training, list[StepWrapper]()
+    if cfg.fault_tolerance.enable:
+        from trainer.step.fault_tolerance import ReplicaGroup  # torchft: an optional extra
+
+        init_sync = t.seed is None  # unseeded groups drew different weights: the first quorum syncs them
+        timeout = cfg.comm.init_timeout_seconds
+        ft = cfg.fault_tolerance
+        group = ReplicaGroup(
+            ft, step.model, step.optimizer, step.lr_scheduler, state, plan.batch.group_batch, timeout, init_sync,
+            plan.fragments,
+        )  # fmt: skip
+        wrappers.append(group)
+    guard: NonFiniteGuard = NonFiniteGuard(step.device)
+    if t.skip_nonfinite_steps:  # skipped on every rank if any rank's loss or norm is non-finite (no host sync)
+        skip = NonFiniteSkip(
+            step.device, step.optimizer, step.lr_scheduler, t.steps, t.skip_nonfinite_steps, step.dataloader
+        )
+        guard = skip
+        wrappers.append(skip)
+    step.wrappers = wrappers
+    return guard
 
 
 def flops_line(flops: dict[str, int], chosen: str) -> str:
@@ -334,8 +425,10 @@ def checkpointer(
 
 
 def checkpoint_folder(cfg: JobConfig) -> str:
-    folder, group = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), checkpoint_subfolder(cfg.fault_tolerance)
-    return os.path.join(folder, group) if group else folder
+    """job.dump_folder/checkpoint.folder; under fault tolerance each replica group saves its own checkpoints (its
+    data-loader position among them) in a folder of its own."""
+    folder, ft = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.fault_tolerance
+    return os.path.join(folder, f"ft_replica_{ft.replica_id}") if ft.enable else folder
 
 
 def check_output_folders(cfg: JobConfig, device_type: str) -> None:
@@ -365,8 +458,5 @@ def run_settings(
     cfg: JobConfig, args: ModelArgs, global_batch: int, loader: DataLoader | TokenFileLoader
 ) -> dict[str, Any]:
     """What a resume is checked against (trainer/checkpoint/resume.py): shapes, batch, data, tokenizer."""
-    if isinstance(loader, TokenFileLoader):
-        fingerprint = token_fingerprint(cfg.training)
-    else:
-        fingerprint = dataset_fingerprint(cfg.training, loader.windows.shard_files)
+    fingerprint = loader.fingerprint(cfg.training)
     return training_settings(cfg, args, global_batch, fingerprint, file_sha256(cfg.model.tokenizer_path))

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +33,7 @@ from trainer.components.dist import set_collective_timeout
 from trainer.components.metrics import MetricsLogger
 from trainer.components.preemption import StopOnSignal
 from trainer.evaluation.validate import ValidationResult, Validator
-from trainer.tools.guards import NonFiniteGuard
+from trainer.step.guards import NonFiniteGuard
 from trainer.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class StepOutput:
     loss: torch.Tensor  # mean over micro-batches, this rank, on the device (no host sync yet)
     grad_norm: torch.Tensor  # global norm before clipping, float64, the same on every rank (parallelisms/grad_norm.py)
     lr: float | torch.Tensor  # the learning rate this step used (on the device under training.skip_nonfinite_steps)
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # further values of the step (StepResult's)
 
 
 class StepHook:
@@ -58,7 +59,7 @@ class StepHook:
         """Before the step's first micro-batch."""
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
-        """Entered around `train_step` (forward, backward, clip, optimizer)."""
+        """Entered around the step (forward, backward, clip, optimizer: trainer/step/step.py)."""
         return contextlib.nullcontext()
 
     def post_step(self, out: StepOutput) -> None:

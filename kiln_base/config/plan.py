@@ -154,7 +154,7 @@ def check_world(cfg: JobConfig, world_size: int) -> tuple[Degrees, int]:
     before torchrun starts a rank, each rank in plan_run."""
     degrees = Degrees.of(cfg.parallelism, world_size)
     groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1  # FT: the replicate dimension
-    accum = grad_accum_steps(cfg.training, degrees.dp_degree * groups)
+    accum = grad_accum_steps(cfg.training, degrees.dp_degree * groups)  # BatchPlan.of: the same streams
     check_bf16_wire(cfg.training, degrees.dp_replicate, degrees.dp_shard * degrees.cp)
     check_sequence_split(cfg.training.seq_len, cfg.parallelism)
     if cfg.validation.enable:  # validation batches are split the same way
@@ -448,9 +448,56 @@ class RunPlan:
     degrees: Degrees
     sequence: SequenceSplit  # context parallelism's chunks (cp 1: one chunk)
     grad_accum_steps: int  # local batches per optimizer step
+    batch: BatchPlan  # the global batch, who reads which part of it, the tokens each rank computes
     pipeline: PipelinePlan | None  # None without pipeline parallelism
     shape: ModelShape
     fragments: tuple[tuple[str, ...], ...] | None = None  # DiLoCo's model fragments (FQNs); None without DiLoCo
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences one optimizer step trains on, over every data stream (every replica group's)."""
+        return self.batch.global_batch
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The global batch: who reads which part of it, and the tokens each rank computes of it."""
+
+    local_batch: int  # sequences one data stream reads per micro-batch (training.local_batch_size)
+    seq_len: int
+    grad_accum_steps: int
+    data_streams: int  # distinct data streams: the data-parallel degree x the replica groups (fault tolerance)
+    first_stream: int  # this replica group's first stream (replica_id x the data-parallel degree; 0 without it)
+    group_streams: int  # the streams of one replica group: the data-parallel degree
+    cp: int
+    pp: int
+
+    @classmethod
+    def of(cls, cfg: JobConfig, degrees: Degrees, accum: int) -> BatchPlan:
+        ft, dp = cfg.fault_tolerance, degrees.dp_degree
+        groups, group = (ft.group_size, ft.replica_id) if ft.enable else (1, 0)
+        t = cfg.training
+        return cls(t.local_batch_size, t.seq_len, accum, dp * groups, group * dp, dp, degrees.cp, degrees.pp)
+
+    @property
+    def global_batch(self) -> int:
+        return self.grad_accum_steps * self.local_batch * self.data_streams
+
+    @property
+    def group_batch(self) -> int:
+        """Sequences one replica group trains on per step (the global batch without fault tolerance)."""
+        return self.grad_accum_steps * self.local_batch * self.group_streams
+
+    def stream(self, dp_rank: int) -> int:
+        """The data stream a data-parallel rank of this replica group reads: under fault tolerance the groups split
+        every global batch as HSDP's replicas would (group g reads streams g x dp .. g x dp + dp - 1)."""
+        return self.first_stream + dp_rank
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens each rank computes per step: a context-parallel rank its 1/cp of each sequence; a pipeline's
+        ranks share its tokens, each counting its share (so tps and mfu stay per device, as torchtitan's)."""
+        return self.grad_accum_steps * self.local_batch * self.seq_len // self.cp // self.pp
 
 
 def plan_run(cfg: JobConfig, world_size: int, shape: ModelShape) -> RunPlan:
@@ -459,7 +506,8 @@ def plan_run(cfg: JobConfig, world_size: int, shape: ModelShape) -> RunPlan:
     The device-dependent rules are kiln_base.config.check_parallel_plan's."""
     degrees, accum = check_world(cfg, world_size)
     pipeline, fragments = check_pipeline(cfg, shape), diloco_fragments(cfg.fault_tolerance, shape)
-    return RunPlan(degrees, SequenceSplit.of(cfg.parallelism), accum, pipeline, shape, fragments)
+    batch = BatchPlan.of(cfg, degrees, accum)
+    return RunPlan(degrees, SequenceSplit.of(cfg.parallelism), accum, batch, pipeline, shape, fragments)
 
 
 # ----------------------------------------------------------------------------- memory per rank

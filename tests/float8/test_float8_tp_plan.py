@@ -50,7 +50,7 @@ def _plan_rank(recipes: list[str]) -> dict[str, dict[str, Any]]:
                 *("--float8.enable_float8_linear", "--float8.recipe_name", recipe),
             )
         )
-        dims = ParallelDims(1, -1, 2, dist.get_world_size())
+        dims = ParallelDims.for_world(1, -1, 2, dist.get_world_size())
         dims.build_mesh("cpu")
         args = model_args(cfg.model, cfg.training.seq_len, 2256)
         built = build_model(cfg, args, dims, build_float8_converter(cfg.float8))  # the Trainer's build path

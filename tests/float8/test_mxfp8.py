@@ -271,7 +271,7 @@ def _parity_runs(names: list[str], folder: str) -> None:
                 torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, state_file)
             losses, grads = [], {}
             for step in range(PARITY_STEPS):
-                loss, _ = trainer.train_step()
+                loss = trainer.train_step(step + 1).loss
                 losses.append(loss.item())
                 if step == 0:
                     grads = {n: _full(p.grad) for n, p in trainer.model.named_parameters()}

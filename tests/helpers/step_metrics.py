@@ -31,3 +31,18 @@ def logged_metrics(trainer: Trainer) -> list[dict[str, float]]:
 
     trainer.metrics.log = recording  # type: ignore[method-assign]
     return records
+
+
+class TimedStep:
+    """Stands in for the Trainer's step object (trainer.train_step = TimedStep(trainer.train_step, clock, seconds)):
+    each step call first moves the clock by seconds(step number); everything else is the step's own."""
+
+    def __init__(self, step: Any, clock: StepClock, seconds: Any) -> None:
+        self.step, self.clock, self.seconds = step, clock, seconds
+
+    def __call__(self, n: int) -> Any:
+        self.clock.now += self.seconds(n)
+        return self.step(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.step, name)

@@ -79,7 +79,7 @@ def _reference_grads(trainer: Any, inputs: torch.Tensor, labels: torch.Tensor) -
     with torch.device("meta"):
         replica = Transformer(trainer.model.model_args)
     if dims.tp_enabled:
-        apply_tp(replica, dims.mesh["tp"], trainer.loss_parallel, float8_tensorwise=False)
+        apply_tp(replica, dims.mesh["tp"], trainer.train_step.loss_parallel, float8_tensorwise=False)
     replica.to_empty(device="cpu")
     with torch.no_grad():
         replica.init_weights(buffer_device=torch.device("cpu"))
@@ -91,8 +91,8 @@ def _reference_grads(trainer: Any, inputs: torch.Tensor, labels: torch.Tensor) -
     for module in replica.modules():  # what FSDP's param_dtype all-gathers: the float32 weights rounded to bfloat16
         for name, p in module.named_parameters(recurse=False):  # (parameters only: FSDP leaves buffers as they are)
             setattr(module, name, nn.Parameter(p.detach().to(torch.bfloat16)))
-    with loss_parallel() if trainer.loss_parallel else contextlib.nullcontext():
-        trainer.loss_fn(replica(inputs), labels).backward()
+    with loss_parallel() if trainer.train_step.loss_parallel else contextlib.nullcontext():
+        trainer.train_step.loss_fn(replica(inputs), labels).backward()
     grads = {}
     dp_group = dims.dp_mesh.get_group()
     for name, p in replica.named_parameters():
@@ -117,7 +117,7 @@ def _errors(layout: str, folder: str) -> dict[str, Any]:
             inputs, labels = next(trainer.dataloader)
             trainer.optimizer.zero_grad()
             with CollectiveDtypes() as seen:
-                trainer.forward_backward(inputs, labels)
+                trainer.train_step.forward_backward(inputs, labels)
             got = {n: _full(p.grad).double() for n, p in trainer.model.named_parameters()}
             ref = _reference_grads(trainer, inputs, labels)
         assert got.keys() == ref.keys()

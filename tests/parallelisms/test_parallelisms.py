@@ -180,7 +180,7 @@ def _run_case(case: Case, state_path: str, spy: _Spy) -> dict[str, Any]:
 
     from parallelisms.parallelize import parallelize_llama
 
-    dims = ParallelDims(case.dp_replicate, case.dp_shard, case.tp, dist.get_world_size())
+    dims = ParallelDims.for_world(case.dp_replicate, case.dp_shard, case.tp, dist.get_world_size())
     dims.build_mesh("cpu")
     model = _build(case.recipe)
     training = Training(mixed_precision_param="float32", compile=case.compile)
@@ -220,7 +220,7 @@ def _sac_run(recipe: str | None) -> dict[str, dict[str, int] | int]:
     from parallelisms.activation_checkpoint import SACStats, apply_ac
     from parallelisms.parallelize import parallelize_llama
 
-    dims = ParallelDims(1, -1, 1, dist.get_world_size())
+    dims = ParallelDims.for_world(1, -1, 1, dist.get_world_size())
     dims.build_mesh("cpu")
     # Tensorwise without float8 all-gather: the weight's max(abs(W)) then runs inside the checkpointed block.
     model = _build(recipe, fsdp_float8_all_gather=False)
@@ -462,7 +462,7 @@ def test_tp_without_fsdp_compiles_and_matches_single_process(
 
 
 def _dims(tp: int = 1, world: int = 2) -> ParallelDims:
-    return ParallelDims(1, -1, tp, world)
+    return ParallelDims.for_world(1, -1, tp, world)
 
 
 def _plan(
@@ -518,11 +518,11 @@ def test_batch_and_async_tp_checks() -> None:
 )
 def test_degrees_must_fit_world_size(dims: tuple[int, int, int, int], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        ParallelDims(*dims)
+        ParallelDims.for_world(*dims)
 
 
 def test_dp_shard_takes_the_rest() -> None:
-    dims = ParallelDims(2, -1, 2, 16)
+    dims = ParallelDims.for_world(2, -1, 2, 16)
     assert (dims.dp_shard, dims.dp_degree, dims.fsdp_enabled, dims.tp_enabled) == (4, 8, True, True)
 
 
@@ -597,7 +597,7 @@ def test_fsdp_param_dtype_follows_resolved_precision(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(parallelize, "fully_shard", spy)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        dims = ParallelDims(1, -1, 1, 2)
+        dims = ParallelDims.for_world(1, -1, 1, 2)
         dims.build_mesh("cpu")
         for param, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
             policies.clear()

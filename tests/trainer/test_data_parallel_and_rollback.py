@@ -33,7 +33,7 @@ def _rank_batches(replicate: int, shard: int, tp: int, steps: int) -> list[list[
     from trainer.components.tokenizer import load_tokenizer
 
     cfg = parse_args(tiny_run_args("--training.local_batch_size", "2", "--training.data_prefetch", "0"))
-    dims = ParallelDims(replicate, shard, tp, dist.get_world_size())
+    dims = ParallelDims.for_world(replicate, shard, tp, dist.get_world_size())
     dims.build_mesh("cpu")
     global_batch = cfg.training.local_batch_size * dims.dp_degree
     loader = build.data(cfg, load_tokenizer(cfg.model.tokenizer_path), dims, torch.device("cpu"), global_batch)

@@ -10,7 +10,8 @@ import logging
 
 import pytest
 
-from trainer.components.fault_tolerance import ReplicaGroup
+from trainer.checkpoint.resume import TrainState
+from trainer.step.fault_tolerance import ReplicaGroup
 
 manager_module = pytest.importorskip("torchft.manager", reason="fault tolerance needs the torchft extra")
 
@@ -25,8 +26,7 @@ class _Manager:
 
 def test_a_failed_sync_is_one_warning_with_gloos_reason(caplog: pytest.LogCaptureFixture) -> None:
     group = object.__new__(ReplicaGroup)  # the hook's state only: no lighthouse, no process group
-    group.manager, group.failed, step = _Manager(), None, [8]
-    group.get_step = lambda: step[0]
+    group.manager, group.failed, group.progress = _Manager(), None, TrainState(step=8)
     gloo = RuntimeError(
         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:22731. This is typically caused by a remote worker crashing."
@@ -34,10 +34,10 @@ def test_a_failed_sync_is_one_warning_with_gloos_reason(caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="kiln"):
         group._log_failed_sync()  # no error: nothing
         group.manager.error = manager_module.ExceptionWithTraceback(gloo)
-        for step[0] in (8, 9, 10):  # the same error until the next quorum clears it: said once
+        for group.progress.step in (8, 9, 10):  # the same error until the next quorum clears it: said once
             group._log_failed_sync()
         group.manager.error = manager_module.ExceptionWithTraceback(gloo)  # the next sync fails too
-        step[0] = 12
+        group.progress.step = 12
         group._log_failed_sync()
     assert [r.getMessage() for r in caplog.records] == [
         f"fault tolerance: the sync in step {s} failed (Connection closed by peer [127.0.0.1]:22731); not applied, "
@@ -70,4 +70,4 @@ def test_every_rank_of_a_group_finds_an_unreachable_lighthouse_itself(
         model = torch.nn.Linear(2, 2)
         ft = FaultTolerance(enable=True, group_size=2, process_group_timeout_ms=1000)
         with pytest.raises(ConfigError, match=f"no torchft lighthouse answers at TORCHFT_LIGHTHOUSE={lighthouse}"):
-            ReplicaGroup(ft, model, torch.optim.SGD(model.parameters()), None, lambda: 0, print, 60, False, 0)
+            ReplicaGroup(ft, model, torch.optim.SGD(model.parameters()), None, TrainState(), 4, 60, False)

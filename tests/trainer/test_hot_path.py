@@ -32,12 +32,12 @@ def test_non_log_step_has_no_host_sync(tmp_path: Path, accum: str, skip: str) ->
     argv += ["--training.local_batch_size", "2", "--training.global_batch_size", accum, "--model.n_layers", "2"]
     argv += ["--training.skip_nonfinite_steps", skip]
     with open_trainer([*argv, "--training.steps", "3"]) as trainer:
-        trainer.train_step()  # the first step may initialise optimizer state
+        trainer.train_step(1)  # the first step may initialise optimizer state
         counter = SyncCounter()
         with counter:
-            trainer.train_step()
+            trainer.train_step(2)
         assert counter.calls == []
         # and the counter does see a host read when there is one
         with counter:
-            trainer.train_step()[0].item()
+            trainer.train_step(3).loss.item()
         assert counter.calls == ["aten._local_scalar_dense.default"]

@@ -13,7 +13,7 @@ import torch
 import train
 from scripts.compare_runs import main as compare_main
 from tests.helpers.common import tiny_run_args
-from trainer.tools.guards import NonFiniteError, last_checkpoint
+from trainer.step.guards import NonFiniteError, last_checkpoint
 from trainer.trainer import Trainer
 
 

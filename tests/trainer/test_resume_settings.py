@@ -26,7 +26,17 @@ from tests.helpers.data import GOOD
 from trainer.checkpoint.manager import read_metadata
 from trainer.checkpoint.resume import check_resume
 from trainer.components.optim import lr_factor
+from trainer.hooks import StepHook, StepOutput
 from trainer.trainer import Trainer
+
+
+class RecordLr(StepHook):
+    def __init__(self, applied: list[float]) -> None:
+        self.applied = applied
+
+    def post_step(self, out: StepOutput) -> None:
+        self.applied.append(float(out.lr))
+
 
 CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "3", "--training.steps", "4")
 
@@ -80,10 +90,11 @@ def test_changed_steps_rebuild_the_lr_schedule_at_the_resumed_step(
         assert lr(3, 4) != lr(3, 20)
         assert resumed.step == 3 and resumed.optimizer.param_groups[0]["lr"] == lr(3, 20)
         assert "changed training.steps (4 there, 20 in this run)" in caplog.text
-        resumed.train()  # 17 more steps: each logged lr is the 20-step schedule's
+        applied: list[float] = []
+        resumed.train([RecordLr(applied)])  # 17 more steps: each logged lr is the 20-step schedule's
     finally:
         resumed.close()
-    assert resumed.lr_scheduler.last_epoch == 20 and resumed.last_lr == lr(19, 20)
+    assert resumed.lr_scheduler.last_epoch == 20 and applied[-1] == lr(19, 20)
 
 
 def test_changed_optimizer_settings_apply(tmp_path: Path, small_model: None, caplog: pytest.LogCaptureFixture) -> None:

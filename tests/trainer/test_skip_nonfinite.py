@@ -1,5 +1,5 @@
 """training.skip_nonfinite_steps: a step whose loss or grad norm is non-finite on any rank is skipped on every rank,
-logged with its batch's position; N consecutive skips stop the run (trainer/tools/guards.py, NonFiniteSkip).
+logged with its batch's position; N consecutive skips stop the run (trainer/step/guards.py, NonFiniteSkip).
 
 The fault is injected by a test hook (PoisonGrads) into one rank's gradients: on the chosen steps a forward hook on
 the final norm makes the gradient flowing back through it NaN. The loss of that step stays finite; its grad norm
@@ -166,12 +166,12 @@ class PoisonLoss(StepHook):
 
     @contextlib.contextmanager
     def _poisoned(self) -> Iterator[None]:
-        loss_fn = self.trainer.loss_fn
-        self.trainer.loss_fn = lambda *args: loss_fn(*args) + torch.tensor(float("nan"))
+        loss_fn = self.trainer.train_step.loss_fn
+        self.trainer.train_step.loss_fn = lambda *args: loss_fn(*args) + torch.tensor(float("nan"))
         try:
             yield
         finally:
-            self.trainer.loss_fn = loss_fn
+            self.trainer.train_step.loss_fn = loss_fn
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
         here = step == self.step and dist.get_rank() == self.rank

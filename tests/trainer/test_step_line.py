@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import trainer.components.metrics as metrics_module
-import trainer.trainer as trainer_module
+import trainer.step.step as step_module
 from kiln_base.config import Metrics
 from tests.helpers.common import kiln_log_lines, open_trainer, tiny_run_args
-from tests.helpers.step_metrics import StepClock, logged_metrics
+from tests.helpers.step_metrics import StepClock, TimedStep, logged_metrics
 from trainer.components.metrics import MetricsLogger
 
 GIB = 2**30
@@ -51,7 +51,7 @@ def test_data_share_lr_and_checkpoint_time(tmp_path: Path, monkeypatch: pytest.M
     - the save after step 2 is counted in the next line (steps 3-4 and the save: 44 s), as torchtitan counts it;
     - lr: the lr the optimizer applied in that step (warm-up: it changes every step), not the next step's."""
     clock = StepClock()
-    for module in (metrics_module, trainer_module):
+    for module in (metrics_module, step_module):
         monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=clock))
     lr = 8e-4
     argv = tiny_run_args("--job.dump_folder", str(tmp_path), "--model.n_layers", "2", "--training.steps", "4")
@@ -61,18 +61,14 @@ def test_data_share_lr_and_checkpoint_time(tmp_path: Path, monkeypatch: pytest.M
         logged = logged_metrics(trainer)
         applied: list[float] = []
         trainer.optimizer.register_step_pre_hook(lambda opt, *_: applied.append(opt.param_groups[0]["lr"]))
-        trainer.dataloader = SlowData(trainer.dataloader, clock, 0.25)
+        trainer.train_step.dataloader = SlowData(trainer.dataloader, clock, 0.25)
         step, save = trainer.train_step, trainer.checkpointer.maybe_save
-
-        def timed_step() -> tuple[torch.Tensor, torch.Tensor]:
-            clock.now += 1.5
-            return step()
 
         def timed_save(n: int, last: bool = False) -> Any:
             clock.now += 40.0 if n == 2 else 0.0
             return save(n, last=last)
 
-        trainer.train_step, trainer.checkpointer.maybe_save = timed_step, timed_save
+        trainer.train_step, trainer.checkpointer.maybe_save = TimedStep(step, clock, lambda n: 1.5), timed_save
         with kiln_log_lines() as log:
             trainer.train()
     lines = [line for line in log.lines if line.startswith("step:")]

@@ -15,7 +15,7 @@ import torch
 import trainer.components.metrics as metrics_module
 from kiln_base.config import parse_args
 from tests.helpers.common import DEBUG_CONFIG, open_trainer, run_trainer
-from tests.helpers.step_metrics import StepClock, logged_metrics
+from tests.helpers.step_metrics import StepClock, TimedStep, logged_metrics
 from trainer.components.metrics import format_step_line, peak_flops
 from trainer.components.optim import lr_factor
 from trainer.hooks import compiling_steps
@@ -88,13 +88,7 @@ def test_logged_tps_tflops_mfu_and_eta_are_exact_under_a_controlled_clock(
     overrides += ["--metrics.peak_tflops", str(peak_tflops)]
     with open_trainer(argv(tmp_path, *overrides, base=TINY)) as trainer:
         logged = logged_metrics(trainer)
-        step = trainer.train_step
-
-        def timed_step() -> tuple[torch.Tensor, torch.Tensor]:
-            clock.now += trainer.step  # the step counter is already advanced: step s takes s seconds
-            return step()
-
-        trainer.train_step = timed_step
+        trainer.train_step = TimedStep(trainer.train_step, clock, lambda n: n)  # step s takes s seconds
         trainer.train()
         flops_per_token = trainer.flops_per_token
     tokens_per_step = 2 * 32 * 2  # local batch x seq_len x micro-batches
@@ -146,7 +140,7 @@ def test_gradient_accumulation_matches_big_batch(tmp_path: Path) -> None:
         with open_trainer(argv(tmp_path, "--training.steps", "2", "--training.max_norm", "0", *batch, base=TINY)) as t:
             grads, logged = grads_seen_by_optimizer(t), logged_metrics(t)
             t.train()
-            assert t.grad_accum_steps == (2 if "--training.global_batch_size" in batch else 1)
+            assert t.plan.grad_accum_steps == (2 if "--training.global_batch_size" in batch else 1)
         return grads, logged
 
     big_grads, big_logged = run("--training.local_batch_size", "4")
@@ -274,8 +268,8 @@ def test_loss_is_compiled_with_the_model(tmp_path: Path) -> None:
         cfg.training.compile = compile
         trainer = Trainer(cfg)
         try:
-            assert (trainer.loss_fn is not cross_entropy_loss) is compiled_loss
-            assert (getattr(trainer.loss_fn, "__wrapped__", None) is cross_entropy_loss) is compiled_loss
+            assert (trainer.train_step.loss_fn is not cross_entropy_loss) is compiled_loss
+            assert (getattr(trainer.train_step.loss_fn, "__wrapped__", None) is cross_entropy_loss) is compiled_loss
         finally:
             trainer.close()
 
@@ -311,7 +305,7 @@ def test_precision_auto_is_float32_on_cpu_and_bf16_is_honoured_with_one_warning(
         cfg.training.mixed_precision_param = param
         trainer = Trainer(cfg)
         try:
-            with torch.no_grad(), trainer.amp:
+            with torch.no_grad(), trainer.train_step.amp:
                 logits[param] = trainer.model(torch.zeros(1, 8, dtype=torch.long))
         finally:
             trainer.close()
@@ -342,15 +336,11 @@ def test_validation_time_is_left_out_of_tps_and_mfu(tmp_path: Path, monkeypatch:
         logged = logged_metrics(trainer)
         step, validate = trainer.train_step, trainer.validator.run
 
-        def timed_step() -> tuple[torch.Tensor, torch.Tensor]:
-            clock.now += 1
-            return step()
-
         def timed_validation(*args: Any, **kwargs: Any) -> Any:
             clock.now += 100
             return validate(*args, **kwargs)
 
-        trainer.train_step, trainer.validator.run = timed_step, timed_validation
+        trainer.train_step, trainer.validator.run = TimedStep(step, clock, lambda n: 1), timed_validation
         trainer.train()
         flops_per_token = trainer.flops_per_token
     tokens_per_step = 2 * 32  # local batch x seq_len

@@ -529,7 +529,13 @@ class CheckpointManager:
             raise CheckpointError(error)
 
     def save_seed(self) -> str:
-        """checkpoint.create_seed_checkpoint: the initial state as the full checkpoint step-0."""
+        """checkpoint.create_seed_checkpoint: the initial state as the full checkpoint step-0, in a folder that holds
+        no checkpoint yet (a seed checkpoint starts a run)."""
+        if self.loaded is not None:
+            raise CheckpointError(
+                f"checkpoint.create_seed_checkpoint: {self.folder} already holds {self.loaded}; a seed checkpoint "
+                "starts a run: use an empty checkpoint.folder"
+            )
         self._save(0, weights_only=False, background=False)
         return step_dir(self.folder, 0)
 

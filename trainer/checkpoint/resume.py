@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import logging
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ from kiln_base.errors import CheckpointError
 from kiln_base.internals import set_scheduler_last_lr
 from models import ModelArgs
 from models.args import ATTENTION_FIELDS
+from trainer.checkpoint.manager import step_dir
+
+logger = logging.getLogger("kiln")
 
 # Keys whose change makes the checkpoint meaningless for this run, with the reason given to the user.
 REFUSED = {
@@ -170,3 +175,24 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: La
         group["lr"] = base_lr * fn(scheduler.last_epoch)
     set_scheduler_last_lr(scheduler, [g["lr"] for g in optimizer.param_groups])  # what the log line reports
     return old_lr, optimizer.param_groups[0]["lr"]
+
+
+class TrainState:
+    """The checkpoint's train_state: the run's step counter (the last step applied: the loop advances it, a healing
+    replica group moves it to the live groups') and the settings a resume is checked against, saved as JSON text.
+    Loading it refuses (CheckpointError) or warns about changed settings, as check_resume says."""
+
+    def __init__(
+        self, settings: dict[str, Any] | None = None, folder: str = "", allow_data_change: bool = False, step: int = 0
+    ) -> None:
+        self.settings, self.folder, self.allow_data_change, self.step = settings or {}, folder, allow_data_change, step
+
+    def state_dict(self) -> dict[str, int | str]:
+        return {"step": self.step, "settings": json.dumps(self.settings, sort_keys=True)}
+
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        where = f"checkpoint {step_dir(self.folder, int(state['step']))}"
+        saved = json.loads(str(state["settings"]))
+        for line in check_resume(saved, self.settings, where, self.allow_data_change):
+            logger.warning(line)
+        self.step = int(state["step"])

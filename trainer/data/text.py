@@ -192,8 +192,14 @@ class DataLoader:
         self._thread: threading.Thread | None = None
         self._it: Iterator[list[int]] | None = None  # used when prefetch == 0
 
+    tokens_by_source = None  # one text stream: no per-source counts (TokenFileLoader's mix has them)
+
     def __iter__(self) -> DataLoader:
         return self
+
+    def fingerprint(self, cfg: Training) -> dict[str, Any]:
+        """What identifies this data in a checkpoint (dataset_fingerprint)."""
+        return dataset_fingerprint(cfg, self.windows.shard_files)
 
     @property
     def n_words(self) -> int:

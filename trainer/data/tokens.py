@@ -101,6 +101,10 @@ class TokenFileLoader:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
         return inputs, labels
 
+    def fingerprint(self, cfg: Training) -> dict[str, Any]:
+        """What identifies this data in a checkpoint (token_fingerprint)."""
+        return token_fingerprint(cfg)
+
     def tokens_by_source(self) -> dict[str, int]:
         """Tokens read from each source by all ranks so far (seq_len + 1 per sample)."""
         counts = self.mixture.counts(self.sequences)

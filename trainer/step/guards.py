@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from kiln_base.errors import NonFiniteError
 from kiln_base.internals import set_scheduler_last_lr
+from trainer.checkpoint.resume import TrainState
+from trainer.step.step import StepWrapper
 
 logger = logging.getLogger("kiln")
 
@@ -67,7 +70,7 @@ class _Attempt:
     skipped: torch.Tensor  # 1.0 when skipped (on the device until the next check)
 
 
-class NonFiniteSkip(NonFiniteGuard):
+class NonFiniteSkip(NonFiniteGuard, StepWrapper):
     """training.skip_nonfinite_steps: a step whose loss or grad norm is non-finite on any rank is skipped on every
     rank, decided on the device; N consecutive skipped steps stop the run as NonFiniteGuard does.
 
@@ -79,6 +82,9 @@ class NonFiniteSkip(NonFiniteGuard):
     the steps skipped since the last check). At a check (log and save steps, where the guard syncs anyway) the
     skipped steps are logged with their batches' positions, the host scheduler is moved back by their number (so
     checkpoints hold the schedule of the steps taken), and N consecutive skips raise NonFiniteError.
+
+    It wraps the step (trainer/step/step.py StepWrapper): the data loader's position at the step's start and end
+    name a skipped step's batch; the update runs inside `around_update`.
     """
 
     def __init__(
@@ -88,9 +94,11 @@ class NonFiniteSkip(NonFiniteGuard):
         scheduler: LambdaLR,
         total_steps: int,
         limit: int,
+        loader: Any,  # the training data loader (its state_dict: the global sequences read, the epoch)
     ) -> None:
         super().__init__(device)
-        self.optimizer, self.scheduler, self.limit = optimizer, scheduler, limit
+        self.optimizer, self.scheduler, self.limit, self.loader = optimizer, scheduler, limit, loader
+        self.first: dict[str, Any] = {}  # the loader's position at the start of the step
         # float64 as LambdaLR's Python floats: with no step skipped the applied lr is the schedule's, bitwise.
         dtype = torch.float64 if device.type == "cpu" else torch.float32
         schedules = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
@@ -99,17 +107,23 @@ class NonFiniteSkip(NonFiniteGuard):
         self.pending = torch.zeros((), dtype=torch.long, device=device)  # skipped since the last check
         self.attempts: list[_Attempt] = []  # since the last check
         self.consecutive: list[int] = []  # the skipped steps in a row up to the last check
-        self.applied_lr = torch.zeros((), dtype=dtype, device=device)
+        self.applied = torch.zeros((), dtype=dtype, device=device)
 
     def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Nothing: optimizer_step decided already."""
+        """Nothing: around_update decided already."""
+
+    def start(self, progress: TrainState) -> None:
+        self.first = self.loader.state_dict()
+
+    def applied_lr(self, lr: float | torch.Tensor) -> torch.Tensor:
+        return self.applied  # the lr the step applied (the schedule skips too), on the device
 
     @contextlib.contextmanager
-    def optimizer_step(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, position: tuple[int, int, int]
-    ) -> Iterator[None]:
-        """Around the optimizer step of `step`, whose batch was global sequences [position[0], position[1]) of epoch
-        position[2]: skip it on every rank if any rank's loss or grad norm is not finite (no host sync)."""
+    def around_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Iterator[None]:
+        """Around the optimizer step of `step`: skip it on every rank if any rank's loss or grad norm is not finite
+        (no host sync)."""
+        end = self.loader.state_dict()
+        position = (self.first.get("sequences", -1), end.get("sequences", -1), end.get("epoch", -1))
         if hasattr(grad_norm, "to_local"):
             grad_norm = grad_norm.to_local()
         bad = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).to(torch.float32)
@@ -127,7 +141,7 @@ class NonFiniteSkip(NonFiniteGuard):
             del self.optimizer.found_inf  # type: ignore[attr-defined]
             for group, lr in zip(self.optimizer.param_groups, host_lrs, strict=True):
                 group["lr"] = lr
-        self.applied_lr = lrs[0]
+        self.applied = lrs[0]
         self.pending += bad.long()
         self.attempts.append(_Attempt(step, position[:2], position[2], bad))
 

@@ -1,16 +1,18 @@
 """Fault tolerance on TorchFT ([fault_tolerance], synchronous mode): this rank's side of a job of replica groups.
 
-Each replica group is its own run_train.sh job (FSDP, TP, float8, AC and compile inside it, as without FT). Every
-step the groups meet in a quorum through torchft's lighthouse (TORCHFT_LIGHTHOUSE): `start_step` asks for it, and a
+Each replica group is its own run_train.sh job (FSDP, TP, float8, AC and compile inside it, as without FT). It
+wraps the training step (trainer/step/step.py StepWrapper). Every step the groups meet in a quorum through torchft's
+lighthouse (TORCHFT_LIGHTHOUSE): `start` asks for it, and a
 restarted group that is behind the others heals there, receiving the live weights, optimizer and LR-schedule state
 and the step count from a peer group over torchft's checkpoint transport (HTTP, not the disk). After backward,
-`average` averages this rank's gradient shards and the loss with the same rank of every other live group through
-torchft's Manager (its own gloo or nccl process group, reconfigured at each new quorum); `should_commit` then says
+`gradients_ready` averages this rank's gradient shards and the loss with the same rank of every other live group
+through torchft's Manager (its own gloo or nccl process group, reconfigured at each new quorum); `may_update` says
 whether the step may be applied: when a group died during the step the all-reduce fails, no group applies it, and
 the next quorum goes on without the dead group (a smaller global batch).
 
-With semi_sync_method local_sgd the groups step alone and torchft's LocalSGD, hooked on the optimizer, meets them every
-sync_steps steps: a quorum (where a restarted group heals) and the weights averaged over the live groups. With diloco
+With semi_sync_method local_sgd the groups step alone and torchft's LocalSGD, hooked on the optimizer (its step runs
+inside the step's update, after `around_update` told the Manager the training step), meets them every sync_steps
+steps: a quorum (where a restarted group heals) and the weights averaged over the live groups. With diloco
 torchft's DiLoCo meets them every sync_steps / fragments steps, one model fragment (the plan's) at a time: a quorum,
 then the fragment's pseudo-gradient (its weights at its last sync minus this group's weights now) averaged over the
 live groups and applied to the last sync's weights by an outer Nesterov SGD (torchtitan's: lr 0.7, momentum 0.9).
@@ -25,7 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,23 +37,12 @@ from torch.distributed.tensor import DTensor
 
 from kiln_base.config import FaultTolerance
 from kiln_base.errors import ConfigError
+from trainer.checkpoint.resume import TrainState
+from trainer.step.step import StepWrapper
 
 logger = logging.getLogger("kiln")
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-
-
-def data_parallel_share(ft: FaultTolerance, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-    """This rank's place in the global sample order: under fault tolerance the replica groups split every global
-    batch as HSDP's replicas would (group g reads the part of data-parallel ranks g x dp .. g x dp + dp - 1)."""
-    if not ft.enable:
-        return dp_rank, dp_degree
-    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
-
-
-def checkpoint_subfolder(ft: FaultTolerance) -> str:
-    """Each replica group saves its own checkpoints (its data-loader position among them) in its own folder."""
-    return f"ft_replica_{ft.replica_id}" if ft.enable else ""
 
 
 def _local(value: Any) -> Any:
@@ -87,7 +78,7 @@ def _why(error: Any) -> str:
     return str(error.original_exception).splitlines()[0].rpartition("] ")[2].split(". ")[0]
 
 
-class ReplicaGroup:
+class ReplicaGroup(StepWrapper):
     """This rank's member of the TorchFT job: the Manager, the step's quorum, the gradient average and the commit."""
 
     def __init__(
@@ -96,28 +87,48 @@ class ReplicaGroup:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
-        get_step: Callable[[], int],
-        set_step: Callable[[int], None],
+        progress: TrainState,
+        group_batch: int,
         quorum_timeout_seconds: int,
         init_sync: bool,
-        start_step: int,
         fragments: tuple[tuple[str, ...], ...] | None = None,
     ) -> None:
+        """`progress`: the run's step counter, which a healing group moves; `group_batch`: the sequences one group
+        trains on per step; `init_sync`: the first quorum syncs every group's weights (unseeded groups drew
+        different ones)."""
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager server logs every quorum and commit at info
         # kiln's own lines say what changed and what failed (torchft logs a traceback per failed all-reduce at ERROR)
         for name in ("torchft", "torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+        self.ft, self.model, self.optimizer, self.lr_scheduler = ft, model, optimizer, lr_scheduler
+        self.progress, self.group_batch = progress, group_batch
+        self.settings = shared_settings(ft, fragments)
+        self.fragments, self.resumed = fragments, progress.step > 0  # resumed from this group's checkpoint
+        # DiLoCo resumed from this group's checkpoint: its first quorum syncs it (see _diloco)
+        self.manager = self._manager(quorum_timeout_seconds, init_sync or (self.diloco and self.resumed))
+        self.participants = 0
+        self.committed = True
+        self.failed: object = None  # the last failed sync's error (semi-synchronous), said once
+        self.semi_sync = contextlib.ExitStack()
+        self.sync_count = lambda: self.progress.step  # the step the next sync's quorum compares (LocalSGD: the step)
+        if ft.semi_sync_method == "local_sgd":
+            from torchft.local_sgd import LocalSGD
+
+            self.semi_sync.enter_context(LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps))
+        elif self.diloco:
+            self.semi_sync.enter_context(self._diloco())
+        self.resume_at(progress.step)
+
+    def _manager(self, quorum_timeout_seconds: int, init_sync: bool) -> Any:
+        """torchft's Manager of this rank, once the lighthouse answers (every rank asks, so that all end with this
+        line at once: a rank left waiting for rank 0's manager in the store takes no SIGTERM until torchrun kills it
+        30 s later)."""
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft._torchft import LighthouseClient
 
-        self.ft, self.model, self.optimizer, self.lr_scheduler = ft, model, optimizer, lr_scheduler
-        self.settings = shared_settings(ft, fragments)
-        self.get_step, self.set_step = get_step, set_step
+        ft = self.ft
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         lighthouse = os.environ[LIGHTHOUSE_ENV]
-        # The group's manager server (on its rank 0) talks to the lighthouse: it must answer now, not hang. Every rank
-        # asks, so that all end with this line at once: a rank left waiting for rank 0's manager in the store takes
-        # no SIGTERM until torchrun kills it 30 s later.
         try:
             LighthouseClient(lighthouse, connect_timeout=timeout)
         except RuntimeError:
@@ -129,7 +140,7 @@ class ReplicaGroup:
         if ft.process_group == "nccl" and not torch.cuda.is_available():
             raise ConfigError('fault_tolerance.process_group = "nccl" needs CUDA GPUs; on a CPU use "gloo"')
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
-        self.manager = Manager(
+        return Manager(
             pg=pg,
             min_replica_size=ft.min_replica_size,
             load_state_dict=self._load_state_dict,
@@ -139,65 +150,47 @@ class ReplicaGroup:
             quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
             connect_timeout=timeout,
             replica_id=f"kiln_ft_{ft.replica_id}",
-            # DiLoCo resumed from this group's checkpoint: its first quorum syncs it (see _diloco)
-            init_sync=init_sync or (ft.semi_sync_method == "diloco" and start_step > 0),
+            init_sync=init_sync,
         )
-        self.participants = 0
-        self.committed = True
-        # semi_sync_method local_sgd / diloco: torchft's LocalSGD / DiLoCo hooks on the optimizer, as long as this group
-        # lives: at every sync a quorum (a restarted group heals there), then the weights (LocalSGD) or a fragment's
-        # pseudo-gradient (DiLoCo) averaged over the live groups.
-        self.semi_sync = contextlib.ExitStack()
-        if ft.semi_sync_method == "local_sgd":
-            from torchft.local_sgd import LocalSGD
 
-            # Before LocalSGD's hook: the quorum compares training steps (torchft's Manager would count syncs), so a
-            # group behind the others heals at the sync, whatever syncs it made alone.
-            self.semi_sync.callback(
-                optimizer.register_step_post_hook(lambda *_: self.resume_at(self.get_step())).remove
-            )
-            self.semi_sync.enter_context(LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps))
-        elif ft.semi_sync_method == "diloco":
-            assert fragments, "the plan's DiLoCo fragments (kiln_base.config.plan.diloco_fragments)"
-            self.semi_sync.enter_context(self._diloco(fragments, resumed=start_step > 0))
-        if not self.synchronous:  # after LocalSGD's / DiLoCo's hook: whether the sync it just ran failed
-            self.failed: object = None
-            self.semi_sync.callback(self.optimizer.register_step_post_hook(self._log_failed_sync).remove)
-        self.resume_at(start_step)
+    @property
+    def diloco(self) -> bool:
+        return self.ft.semi_sync_method == "diloco"
 
-    def _log_failed_sync(self, *_: Any) -> None:
-        """A semi-synchronous sync whose all-reduce failed (a group died in it): once per failure, as should_commit
+    def _log_failed_sync(self) -> None:
+        """A semi-synchronous sync whose all-reduce failed (a group died in it): once per failure, as may_update
         says it of a synchronous step."""
         error = self.manager.errored()
         if error is not None and error is not self.failed:
             self.failed = error
             logger.warning(
-                f"fault tolerance: the sync in step {self.get_step()} failed ({_why(error)}); not applied, the next "
+                f"fault tolerance: the sync in step {self.progress.step} failed ({_why(error)}); not applied, the next "
                 "sync goes on without the lost replica group"
             )
 
-    def _diloco(self, fragments: tuple[tuple[str, ...], ...], resumed: bool) -> Any:
+    def _diloco(self) -> Any:
         """torchft's DiLoCo on the optimizer, one fragment (a module dict of the model's modules, the same parameters)
         and one outer optimizer per fragment of the plan."""
         from torchft.local_sgd import DiLoCo
 
-        ft = self.ft
+        ft, fragments = self.ft, self.fragments
+        assert fragments, "the plan's DiLoCo fragments (kiln_base.config.plan.diloco_fragments)"
         parts = [nn.ModuleDict({fqn.replace(".", "_"): self.model.get_submodule(fqn) for fqn in f}) for f in fragments]
         per = ft.sync_steps // len(parts)
         first_quorum = per - ft.fragment_sync_delay  # DiLoCo's: this process's optimizer steps before it
-        calls = itertools.count(1)
+        updates = itertools.count(1)
 
-        def sync_count(*_: Any) -> None:
-            """Before DiLoCo's hook: the quorum compares the syncs the training step implies (step s ends sync
-            (s - 1) // per; DiLoCo picks its fragment from that count), not the syncs this process made: a restarted
-            group, behind the others whatever it did alone, heals at its first sync, then picks the others' fragment.
-            A group resumed from its own checkpoint has no outer state (each fragment's weights at its last sync, the
-            outer momentum: not in kiln's checkpoints): up to its first quorum it claims sync 0, so that it heals there
-            from a live group, or, when every group resumed at once, all from one of them (init_sync)."""
-            first = next(calls) <= first_quorum
-            self.resume_at(0 if resumed and first else (self.get_step() - 1) // per)
+        def sync_count() -> int:
+            """The quorum compares the syncs the training step implies (step s ends sync (s - 1) // per; DiLoCo picks
+            its fragment from that count), not the syncs this process made: a restarted group, behind the others
+            whatever it did alone, heals at its first sync, then picks the others' fragment. A group resumed from its
+            own checkpoint has no outer state (each fragment's weights at its last sync, the outer momentum: not in
+            kiln's checkpoints): up to its first quorum it claims sync 0, so that it heals there from a live group,
+            or, when every group resumed at once, all from one of them (init_sync)."""
+            first = next(updates) <= first_quorum
+            return 0 if self.resumed and first else (self.progress.step - 1) // per
 
-        self.semi_sync.callback(self.optimizer.register_step_post_hook(sync_count).remove)
+        self.sync_count = sync_count
         # torchtitan's outer optimizer (torchtitan/components/ft/manager.py, v0.2.2): the DiLoCo paper's choice
         outer = [torch.optim.SGD(p.parameters(), lr=0.7, momentum=0.9, nesterov=True) for p in parts]
         return DiLoCo(
@@ -218,7 +211,7 @@ class ReplicaGroup:
             "model": _local(self.model.state_dict()),
             "optimizer": _local(self.optimizer.state_dict()),
             "lr_scheduler": _local(self.lr_scheduler.state_dict()),
-            "step": self.get_step(),
+            "step": self.progress.step,
             "settings": self.settings,
         }
 
@@ -257,7 +250,7 @@ class ReplicaGroup:
         for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.set_step(int(state["step"]))
+        self.progress.step = int(state["step"])
         logger.info(
             f"fault tolerance: healed from a live replica group: weights, optimizer and lr of step {state['step']}"
         )
@@ -273,37 +266,37 @@ class ReplicaGroup:
         under LocalSGD before each sync), under DiLoCo the sync count."""
         self.manager.load_state_dict({**self.manager.state_dict(), "step": step})
 
-    def start_step(self, group_batch: int) -> None:
-        """The quorum of this step (a group behind the others heals here); logs when the live groups change. Under
-        LocalSGD the quorum is the sync's (semi_sync): this only logs what the last sync found."""
+    def start(self, progress: TrainState) -> None:
+        """The quorum of this step (a group behind the others heals here: progress moves); logs when the live groups
+        change. Semi-synchronous, the quorum is the sync's: this only logs what the last sync found."""
         if not self.synchronous:
             n = self.manager.num_participants()  # 0 before the first sync
             if n and n != self.participants:
                 logger.info(
-                    f"fault tolerance: the sync before step {self.get_step() + 1}: {n} of {self.ft.group_size} "
+                    f"fault tolerance: the sync before step {progress.step + 1}: {n} of {self.ft.group_size} "
                     "replica groups live"
                 )
                 self.participants = n
             return
-        before = self.get_step()
+        before = progress.step
         self.manager.start_quorum()
         n = self.manager.num_participants()
-        if self.get_step() != before:
-            logger.info(f"fault tolerance: replica group {self.ft.replica_id} rejoined at step {self.get_step() + 1}")
+        if progress.step != before:
+            logger.info(f"fault tolerance: replica group {self.ft.replica_id} rejoined at step {progress.step + 1}")
         if n != self.participants:
             logger.info(
-                f"fault tolerance: step {self.get_step() + 1}: {n} of {self.ft.group_size} replica groups live; global "
-                f"batch {n * group_batch} sequences"
+                f"fault tolerance: step {progress.step + 1}: {n} of {self.ft.group_size} replica groups live; global "
+                f"batch {n * self.group_batch} sequences"
             )
             self.participants = n
 
-    def average(self, params: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+    def gradients_ready(self, loss: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and `loss` with the same rank of every live group (one all-reduce);
-        returns the averaged loss. A failure (a group died) is recorded by the Manager and denies the commit. Under
-        LocalSGD each group steps on its own gradients (the weights meet at the syncs): nothing to do."""
+        returns the averaged loss. A failure (a group died) is recorded by the Manager and denies the commit.
+        Semi-synchronous, each group steps on its own gradients (the weights meet at the syncs): nothing to do."""
         if not self.synchronous:
             return loss
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([s.reshape(-1).float() for s in shards] + [loss.detach().reshape(1).float()])
         self.manager.allreduce(flat).wait()
@@ -313,9 +306,9 @@ class ReplicaGroup:
             offset += s.numel()
         return flat[-1].to(loss.dtype)
 
-    def should_commit(self) -> bool:
-        """Whether every live group completed this step (the optimizer may step); logs a step that is dropped. Under
-        LocalSGD a group's own step always is (a sync that fails is not applied: torchft's LocalSGD)."""
+    def may_update(self, step: int) -> bool:
+        """Whether every live group completed this step (the optimizer may step); logs a step that is dropped.
+        Semi-synchronous, a group's own step always is (a sync that fails is not applied: torchft's LocalSGD)."""
         if not self.synchronous:
             return True
         self.committed = self.manager.should_commit()
@@ -323,10 +316,23 @@ class ReplicaGroup:
             error = self.manager.errored()
             why = "too few replica groups live (fault_tolerance.min_replica_size)" if error is None else _why(error)
             logger.warning(
-                f"fault tolerance: step {self.get_step()} not committed ({why}); the next quorum goes on without "
-                "the lost replica group"
+                f"fault tolerance: step {step} not committed ({why}); the next quorum goes on without the lost "
+                "replica group"
             )
         return self.committed
+
+    @contextlib.contextmanager
+    def around_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Iterator[None]:
+        """Semi-synchronous: the optimizer step runs LocalSGD's or DiLoCo's sync (their hooks on it); its quorum
+        compares the step (the sync count under DiLoCo) set here, so a group behind the others heals at the sync
+        whatever syncs it made alone."""
+        if not self.synchronous:
+            self.resume_at(self.sync_count())
+        yield
+
+    def after_update(self, step: int) -> None:
+        if not self.synchronous:
+            self._log_failed_sync()
 
     def close(self) -> None:
         self.semi_sync.close()
