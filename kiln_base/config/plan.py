@@ -148,18 +148,17 @@ class SequenceSplit:
         return f"context_parallel_degree = {self.cp} chunks"
 
 
-def check_world(cfg: JobConfig, world_size: int) -> tuple[Degrees, int]:
+def check_world(cfg: JobConfig, world_size: int) -> tuple[Degrees, BatchPlan]:
     """What the config and the world size decide: the degrees multiply to the world, the global batch divides,
-    sequence parallel splits every sequence; the degrees and the gradient accumulation steps. run_train.sh runs it
+    sequence parallel splits every sequence; the degrees and the batch plan. run_train.sh runs it
     before torchrun starts a rank, each rank in plan_run."""
     degrees = Degrees.of(cfg.parallelism, world_size)
-    groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1  # FT: the replicate dimension
-    accum = grad_accum_steps(cfg.training, degrees.dp_degree * groups)  # BatchPlan.of: the same streams
+    batch = BatchPlan.of(cfg, degrees)
     check_bf16_wire(cfg.training, degrees.dp_replicate, degrees.dp_shard * degrees.cp)
     check_sequence_split(cfg.training.seq_len, cfg.parallelism)
     if cfg.validation.enable:  # validation batches are split the same way
         check_sequence_split(validation_shape(cfg.validation, cfg.training)[1], cfg.parallelism, "validation.seq_len")
-    return degrees, accum
+    return degrees, batch
 
 
 def check_bf16_wire(t: Training, dp_replicate: int, fsdp_ranks: int) -> None:
@@ -473,10 +472,12 @@ class BatchPlan:
     pp: int
 
     @classmethod
-    def of(cls, cfg: JobConfig, degrees: Degrees, accum: int) -> BatchPlan:
-        ft, dp = cfg.fault_tolerance, degrees.dp_degree
+    def of(cls, cfg: JobConfig, degrees: Degrees) -> BatchPlan:
+        """Under fault tolerance the replica groups are the replicate dimension of the data streams; the global
+        batch must divide into local batches of every stream (grad_accum_steps)."""
+        ft, dp, t = cfg.fault_tolerance, degrees.dp_degree, cfg.training
         groups, group = (ft.group_size, ft.replica_id) if ft.enable else (1, 0)
-        t = cfg.training
+        accum = grad_accum_steps(t, dp * groups)
         return cls(t.local_batch_size, t.seq_len, accum, dp * groups, group * dp, dp, degrees.cp, degrees.pp)
 
     @property
@@ -504,10 +505,11 @@ def plan_run(cfg: JobConfig, world_size: int, shape: ModelShape) -> RunPlan:
     """The plan for `world_size` ranks and this model shape, every rule checked (check_world, check_pipeline): the
     launcher for the whole world before torchrun, each rank before its build, the dry run for its simulated world.
     The device-dependent rules are kiln_base.config.check_parallel_plan's."""
-    degrees, accum = check_world(cfg, world_size)
+    degrees, batch = check_world(cfg, world_size)
     pipeline, fragments = check_pipeline(cfg, shape), diloco_fragments(cfg.fault_tolerance, shape)
-    batch = BatchPlan.of(cfg, degrees, accum)
-    return RunPlan(degrees, SequenceSplit.of(cfg.parallelism), accum, batch, pipeline, shape, fragments)
+    return RunPlan(
+        degrees, SequenceSplit.of(cfg.parallelism), batch.grad_accum_steps, batch, pipeline, shape, fragments
+    )
 
 
 # ----------------------------------------------------------------------------- memory per rank
