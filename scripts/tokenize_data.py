@@ -12,25 +12,35 @@ opens (a local loading script or data folder, or a hub id with network). Every d
 tokenizer as training's text path does, BOS ... EOS; uint16 tokens when the vocabulary fits, else int32.
 
 The input is cut into shards (line-aligned byte ranges of --shard-mb of a .jsonl/.txt file; a whole .json or
-.parquet file; 100,000 rows of a HF dataset), tokenized by --workers processes into OUTPUT_PREFIX.shards/, each
-shard's .bin/.idx renamed into place when complete. A re-run (after Ctrl-C or a crash) keeps the finished shards
-and does the rest; the shards are concatenated into OUTPUT_PREFIX.bin/.idx at the end, with the largest token id
-recorded in OUTPUT_PREFIX.bin.kiln.json (checked against the vocabulary at start of every run), and the shard
-folder removed. A record that is not a JSON object with a string text field stops it with one line naming the
-file and record (exit 2).
+.parquet file; 100,000 rows of a HF dataset), tokenized by min(--workers, shards to do) processes into the
+scratch folder OUTPUT_PREFIX.shards/, each shard's .bin/.idx renamed into place when complete. A re-run (after
+Ctrl-C, a crash or a killed worker) keeps the finished shards and does the rest; the shards are concatenated into
+OUTPUT_PREFIX.bin/.idx at the end, with the largest token id recorded in OUTPUT_PREFIX.bin.kiln.json (checked
+against the vocabulary at start of every run), and the files the script wrote in the scratch folder removed, then
+the folder. A record that is not a JSON object with a string text field stops it with one line naming the file
+and record (exit 2).
+
+The scratch folder is the script's only if it holds the marker (kiln-tokenize-scratch.json) it wrote when it made
+it: a folder of that name without it (the input itself, say) is refused, never written to or deleted. An output
+inside the input folder, or a scratch folder that is, holds or lies inside the input, is refused up front: a re-run
+would read the output as input, and the end of a run would delete input.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +48,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from kiln_base.errors import DataError, UserError, say  # noqa: E402
+from kiln_base.errors import ConfigError, DataError, KilnExit, UserError, say  # noqa: E402
 from trainer.components.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from trainer.data.sources import record_problem  # noqa: E402
 from trainer.data.token_files import (  # noqa: E402
@@ -52,6 +62,11 @@ from trainer.data.token_files import (  # noqa: E402
 
 FORMATS = (".jsonl", ".json", ".parquet", ".txt")
 HF_ROWS = 100_000  # rows per shard of a HF dataset
+MAX_WORKERS = 256  # each worker is a process holding the tokenizer: more only cost memory and start-up
+# The scratch folder's proof of identity: written into it first, when the script makes it; a folder without it is
+# not the script's, whatever its name.
+MARKER = "kiln-tokenize-scratch.json"
+MARKER_CONTENT = {"made_by": "kiln scripts/tokenize_data.py", "holds": "shards of OUTPUT_PREFIX, until merged"}
 
 
 @dataclass(frozen=True)
@@ -208,10 +223,10 @@ def tokenize_shard(job: tuple[int, Shard, str, str, str]) -> tuple[int, int, int
     except UserError as e:
         return n, 0, 0, -1, e.line()
     write_index(prefix + ".idx.tmp", dtype, np.array(lengths, dtype=np.int32))
-    os.replace(prefix + ".bin.tmp", prefix + ".bin")
-    os.replace(prefix + ".idx.tmp", prefix + ".idx")  # last: a shard is done when its .idx exists
     with open(prefix + ".json", "w") as f:
         json.dump({"max_token_id": high}, f)
+    os.replace(prefix + ".bin.tmp", prefix + ".bin")
+    os.replace(prefix + ".idx.tmp", prefix + ".idx")  # last: a shard is done when its .idx exists
     return n, len(lengths), int(sum(lengths)), high, None
 
 
@@ -234,6 +249,66 @@ def merge(work: str, n_shards: int, output: str, dtype: np.dtype) -> tuple[int, 
     return len(all_lengths), int(all_lengths.sum()), high
 
 
+def _inside(path: str, folder: str) -> bool:
+    """`path` is `folder` or under it (both resolved)."""
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_places(input_path: str, output: str) -> None:
+    """Refuse an output a re-run would read as input, and a scratch folder whose removal would touch the input."""
+    if not os.path.exists(input_path):
+        return  # a dataset name for `datasets.load_dataset`: nothing on disk to protect
+    source = os.path.realpath(input_path)
+    out = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(output))), os.path.basename(output))
+    work = os.path.realpath(output + ".shards")  # resolved: a link to the input is the input
+    if os.path.isdir(source) and _inside(out, source):
+        raise DataError(
+            f"{output}: the output is inside the input folder {input_path}, where a re-run would read it as input; "
+            "write it outside that folder"
+        )
+    if _inside(source, work) or _inside(work, source):
+        relation = "is" if source == work else "holds" if _inside(source, work) else "is inside"
+        raise DataError(
+            f"{output}.shards, the scratch folder of OUTPUT_PREFIX {output}, {relation} the input {input_path}; "
+            "choose another OUTPUT_PREFIX"
+        )
+
+
+def open_scratch(work: str) -> None:
+    """Make the scratch folder `work`, marker first, or accept an existing one only if it holds the marker."""
+    if os.path.lexists(work):
+        try:
+            with open(os.path.join(work, MARKER)) as f:
+                mine = json.load(f) == MARKER_CONTENT
+        except (OSError, ValueError):
+            mine = False
+        if not mine:
+            raise DataError(
+                f"{work}: exists but is not a scratch folder tokenize_data.py made (no {MARKER} in it); move it "
+                "away or choose another OUTPUT_PREFIX"
+            )
+        return
+    # Made under a fresh name and renamed into place with its marker: `work` never exists without it.
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(work) + ".", dir=os.path.dirname(os.path.abspath(work)))
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump(MARKER_CONTENT, f)
+    os.rename(tmp, work)
+
+
+def remove_scratch(work: str, n_shards: int) -> None:
+    """Delete the files this script writes into `work` (marker last), then the folder if nothing else is left."""
+    names = ["plan.json"] + [
+        f"{n:06d}{e}" for n in range(n_shards) for e in (".bin", ".idx", ".json", ".bin.tmp", ".idx.tmp")
+    ]
+    for name in [*names, MARKER]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(work, name))
+    try:
+        os.rmdir(work)
+    except OSError:
+        print(f"left {work}: it holds files tokenize_data.py did not write", file=sys.stderr)
+
+
 def _hms(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m // 60}:{m % 60:02d}:{s:02d}"
@@ -242,11 +317,13 @@ def _hms(seconds: float) -> str:
 def tokenize(
     input_path: str, output: str, workers: int, tokenizer_path: str, text_key: str, shard_mb: float, split: str
 ) -> None:
+    check_places(input_path, output)  # before anything is written
+    make_folder(output)
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.n_words)
     shards = plan_shards(input_path, int(shard_mb * 2**20), split)
     work = output + ".shards"
-    os.makedirs(work, exist_ok=True)
+    open_scratch(work)
     with open(tokenizer_path, "rb") as f:
         tok_sha = hashlib.sha256(f.read()).hexdigest()
     plan = {"shards": [asdict(s) for s in shards], "tokenizer_sha256": tok_sha, "text_key": text_key}
@@ -265,6 +342,7 @@ def tokenize(
     sizes = [os.path.getsize(s.source) if os.path.isfile(s.source) else 1 for s in shards]
     weight = [(s.end if s.end >= 0 else sz) - s.start for s, sz in zip(shards, sizes, strict=True)]
     total, done = sum(weight), sum(weight[n] for n in range(len(shards)) if n not in todo)
+    workers = min(workers, len(todo))  # no more processes than shards to do
     print(
         f"{input_path}: {len(shards)} shards, {len(shards) - len(todo)} already done; {workers} worker(s), "
         f"tokenizer {tokenizer_path} ({tokenizer.n_words} words, {dtype.name} tokens)",
@@ -272,29 +350,41 @@ def tokenize(
     )
     jobs = [(n, shards[n], work, text_key, split) for n in todo]
     t0, docs, tokens, last = time.perf_counter(), 0, 0, 0.0
-    # Spawned, not forked: a worker forked from a process with threads (torch's, a test runner's) segfaulted in its
-    # first garbage collection, and the pool replaced it with another that did the same, for ever (a full test run
-    # hung so, 2026-11-29).
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-        for n, d, t, _, error in pool.imap_unordered(tokenize_shard, jobs):
-            if error is not None:
-                pool.terminate()
-                raise DataError(error.removeprefix("kiln: error: "))
-            docs, tokens, done = docs + d, tokens + t, done + weight[n]
-            now = time.perf_counter()
-            if now - last > 1.0 or done == total:
-                rate = tokens / max(now - t0, 1e-9)
-                frac = done / max(total, 1)
-                eta = (now - t0) / max(frac - (1 - sum(weight[m] for m in todo) / max(total, 1)), 1e-9) * (1 - frac)
-                print(
-                    f"  {100 * frac:5.1f}%  {docs:,} documents  {tokens:,} tokens  {rate:,.0f} tokens/s  "
-                    f"ETA {_hms(eta)}",
-                    file=sys.stderr,
-                )
-                last = now
+    if jobs:
+        # Spawned, not forked: a worker forked from a process with threads (torch's, a test runner's) segfaulted in
+        # its first garbage collection, and a pool replaced it with another that did the same, for ever (a full test
+        # run hung so, 2026-11-29). An executor, not a Pool: a worker that dies (killed, out of memory) breaks the
+        # executor, where a Pool waits for its shard for ever.
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+            try:
+                for future in as_completed([pool.submit(tokenize_shard, job) for job in jobs]):
+                    n, d, t, _, error = future.result()
+                    if error is not None:
+                        raise DataError(error.removeprefix("kiln: error: "))
+                    docs, tokens, done = docs + d, tokens + t, done + weight[n]
+                    now = time.perf_counter()
+                    if now - last > 1.0 or done == total:
+                        rate = tokens / max(now - t0, 1e-9)
+                        frac = done / max(total, 1)
+                        todo_frac = sum(weight[m] for m in todo) / max(total, 1)
+                        eta = (now - t0) / max(frac - (1 - todo_frac), 1e-9) * (1 - frac)
+                        print(
+                            f"  {100 * frac:5.1f}%  {docs:,} documents  {tokens:,} tokens  {rate:,.0f} tokens/s  "
+                            f"ETA {_hms(eta)}",
+                            file=sys.stderr,
+                        )
+                        last = now
+            except BrokenProcessPool:
+                raise KilnExit(
+                    "a tokenizing worker process died (killed, or out of memory?); the finished shards are kept "
+                    f"in {work}: re-run the same command to go on"
+                ) from None
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # the shards being tokenized finish (and are kept); no others
+                raise
     n_docs, n_tokens, high = merge(work, len(shards), output, dtype)
-    shutil.rmtree(work)
+    remove_scratch(work, len(shards))
     elapsed = time.perf_counter() - t0
     print(
         f"wrote {output}.bin/.idx: {n_docs:,} documents, {n_tokens:,} tokens ({dtype.name}), largest id {high}; "
@@ -310,6 +400,20 @@ def stats(path: str) -> None:
     high = max_token_id(tf.tokens)
     write_stats(path, high, tf.n_tokens)
     print(f"wrote {path}.kiln.json: {tf.n_tokens:,} tokens, largest id {high} ({time.perf_counter() - t0:.1f} s)")
+
+
+def make_folder(output: str) -> None:
+    """The folder OUTPUT_PREFIX names a file in, made if missing; one line if a file stands in its way."""
+    folder = os.path.dirname(os.path.abspath(output))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DataError(f"{output}: {existing} is a file, not a folder; OUTPUT_PREFIX must name a file in a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{output}: cannot make its folder {folder} ({e.strerror})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,14 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         elif a.input is None or a.output_prefix is None:
             p.error("INPUT and OUTPUT_PREFIX are required (or --stats FILE)")
         else:
-            if a.workers < 1:
-                p.error("--workers must be >= 1")
-            out_dir = os.path.dirname(os.path.abspath(a.output_prefix))
-            os.makedirs(out_dir, exist_ok=True)
+            if not 1 <= a.workers <= MAX_WORKERS:
+                raise ConfigError(f"--workers must be 1 to {MAX_WORKERS}, got {a.workers}")
             tokenize(a.input, a.output_prefix, a.workers, a.tokenizer, a.text_key, a.shard_mb, a.split)
-    except UserError as e:
+    except KilnExit as e:
         say(e.line())
-        return 2
+        return e.status
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; re-run the same command to go on", file=sys.stderr)
         return 130

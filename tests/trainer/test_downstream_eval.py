@@ -1,6 +1,7 @@
 """Downstream evaluation ([eval], trainer/evaluation/downstream.py) on one rank, through the Trainer: when it
 runs, what it logs (the line, TensorBoard), that it leaves training alone, that each request's log-likelihood is the
-model's (whatever the batch it was padded into), the bundled task and the task checks.
+model's (whatever the batch it was padded into), the bundled task (and scripts/make_eval_task.py's errors) and the
+task checks.
 
 The layouts: tests/e2e/test_eval_layouts.py; the outside reference (lm-eval's HF backend): test_eval_hf_reference.py;
 errors through run_train.sh: tests/e2e/test_eval_run_train.py.
@@ -20,11 +21,13 @@ import torch
 from kiln_base.config import Eval
 from kiln_base.errors import ConfigError
 from tests.helpers.common import ROOT, kiln_log_lines, open_trainer, tiny_run_args
+from tests.helpers.kiln_process import assert_one_line_error, run_kiln
 from tests.helpers.run_files import tensorboard_scalars
 from tests.helpers.scripts import load_script
 from trainer.evaluation.downstream import IGNORE, load_tasks, padded_length
 
 TASK_DIR = ROOT / "assets" / "eval" / "kiln_cloze"
+MAKE_EVAL_TASK = ROOT / "scripts" / "make_eval_task.py"
 STEPS = 4
 EVAL = ("--eval.enable", "--eval.freq", "3", "--eval.limit", "6", "--eval.batch_size", "8")
 
@@ -143,6 +146,39 @@ def test_the_bundled_task_is_what_the_script_makes(tmp_path: Path) -> None:
         sep = answer[: len(answer) - len(answer.lstrip())]
         assert all(c.startswith(sep) for c in item["choices"])  # one separator: no choice stands out by it
         assert sep and texts[item["doc"]].startswith(item["context"] + answer)
+
+
+BAD_CORPORA = {
+    "too few distractors": ('{"text": "A. B. C."}\n{"text": "D. E."}\n', "record 1: 2 distinct candidate "
+        "distractors (segments of the other documents, unlike its answer); 3 are needed: give a corpus with more "
+        "documents"),
+    "no text": ('{"text": "A. B. C."}\n\n{"txt": "D. E."}\n', "line 3: no 'text' field (has: txt); every record "
+        "needs a string 'text' field"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_CORPORA)
+def test_make_eval_task_refuses_too_few_distractors_and_a_record_without_text(case: str, tmp_path: Path) -> None:
+    """Run as users run it: two documents give the first only two distinct distractors (its draws once looped for
+    ever), a record without `text` was a KeyError traceback; each is one line naming the file, exit 2, no output."""
+    corpus, line = BAD_CORPORA[case]
+    (tmp_path / "c.jsonl").write_text(corpus)
+    args = ["--corpus", "c.jsonl", "--output", "task/t.jsonl"]
+    result = run_kiln(args, launcher="python", script=MAKE_EVAL_TASK, cwd=tmp_path, timeout=60)
+    assert assert_one_line_error(result) == f"kiln: error: c.jsonl, {line}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def test_make_eval_task_draws_rare_distractors_from_the_list_of_them() -> None:
+    """Distractors that random draws rarely hit (three segments among 60,000 copies of one) are drawn from the list
+    of all candidates after MAX_DRAWS draws: every item still has four different choices, its answer among them."""
+    make = load_script("make_eval_task")
+    texts = ["X. Y.", "a. " * 30_000 + "b. c. d.", "a. " * 30_000 + "P. Q."]
+    items = make.make_items(texts, seed=0)
+    assert [i["doc"] for i in items] == [0, 1, 2]
+    for item in items:
+        assert len(set(item["choices"])) == 4 and 0 <= item["label"] < 4
+    assert items[0]["choices"][items[0]["label"]] == " Y."
 
 
 def test_the_bundled_task_loads_as_multiple_choice() -> None:

@@ -1,12 +1,16 @@
 """Token files (trainer/data/token_files.py), the sample index and mix (sample_index.py), the loader
 (token_data.py): formats read and written, every bad file named in one error, the global sample order the same in
-every data-parallel layout, the mix exact to two samples, the loader state one integer."""
+every data-parallel layout, the mix exact to two samples, the loader state one integer; scripts/tokenize_data.py,
+in-process and as users run it (its scratch folder, a dead worker, bad places and options)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +19,9 @@ import torch
 
 from kiln_base.config import DatasetSource, Training, parse_args
 from kiln_base.errors import CheckpointError, ConfigError, DataError
+from tests.helpers.common import ROOT
 from tests.helpers.data import TOKENIZER, loader
+from tests.helpers.kiln_process import KilnResult, KilnRun, assert_one_line_error, children, run_kiln, start_kiln
 from tests.helpers.scripts import load_script
 from trainer.checkpoint.resume import OPTIMIZER, REFUSED, SCHEDULE, WARNED, check_resume
 from trainer.data.sample_index import BLOCK, Mixture, Source, open_mixture
@@ -307,7 +313,7 @@ def test_tokenize_skips_the_shards_an_interrupted_run_finished(tmp_path: Path, c
     # Re-create the state after an interruption: the plan and the first shard done, a bad shard 2 that a re-run
     # must not read (it would fail) if it were redone.
     work = tmp_path / "o.shards"
-    work.mkdir()
+    tokenize.open_scratch(str(work))  # the folder as the script makes it, with its marker
     shards = tokenize.plan_shards(str(text), int(0.01 * 2**20), "train")
     tokenize._init_worker(tokenize.os.path.join(tokenize.ROOT, "assets", "tokenizer", "tokenizer.model"))
     tokenize.tokenize_shard((0, shards[0], str(work), "text", "train"))
@@ -366,3 +372,95 @@ def test_tokenize_reads_parquet_and_a_saved_hugging_face_dataset(tmp_path: Path)
     expected = sum((TOKENIZER.encode(t, bos=True, eos=True) for t in texts), [])
     for name in ("t.jsonl", "t.parquet", "hf"):
         assert open_token_file(str(tmp_path / f"out_{name}.bin"), V).tokens.tolist() == expected, name
+
+
+# ------------------------------------------------------------------- scripts/tokenize_data.py as users run it
+
+TOKENIZE = ROOT / "scripts" / "tokenize_data.py"
+
+
+def _tokenize(*args: str | Path, cwd: Path) -> KilnResult:
+    return run_kiln([str(a) for a in args], launcher="python", script=TOKENIZE, cwd=cwd, timeout=300)
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` (its bytes, None for a folder): a snapshot to compare after a run."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+PLACES = {
+    "scratch folder is the input": (("data/web.shards", "data/web"), "data/web.shards, the scratch folder of "
+        "OUTPUT_PREFIX data/web, is the input data/web.shards; choose another OUTPUT_PREFIX"),
+    "scratch folder holds the input": (("data/web.shards/0.jsonl", "data/web"), "data/web.shards, the scratch "
+        "folder of OUTPUT_PREFIX data/web, holds the input data/web.shards/0.jsonl; choose another OUTPUT_PREFIX"),
+    "a folder of the scratch name": (("data/web.shards", "mine"), "mine.shards: exists but is not a scratch folder "
+        "tokenize_data.py made (no kiln-tokenize-scratch.json in it); move it away or choose another OUTPUT_PREFIX"),
+    "output inside the input": (("data", "data/new/web"), "data/new/web: the output is inside the input folder "
+        "data, where a re-run would read it as input; write it outside that folder"),
+    "output under a file": (("data/web.shards", "somefile.txt/web"), "somefile.txt/web: {tmp}/somefile.txt is a "
+        "file, not a folder; OUTPUT_PREFIX must name a file in a folder"),
+    "workers 0": (("data/web.shards", "out", "--workers", "0"), "--workers must be 1 to 256, got 0"),
+    "workers 10**6": (("data/web.shards", "out", "--workers", "1000000"), "--workers must be 1 to 256, got 1000000"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PLACES)
+def test_tokenize_refuses_a_scratch_folder_or_output_that_is_not_its_own_and_touches_nothing(
+    case: str, tmp_path: Path
+) -> None:
+    """The scratch folder OUTPUT_PREFIX.shards is the script's only if it holds the marker the script wrote: raw
+    shards at data/web.shards given as input with output data/web (once deleted at the end), a folder of that name
+    holding a user's file, a scratch folder holding the input, an output inside the input folder (a re-run read it
+    as input), an output under a file, nonsense --workers: each one line, exit 2, and every file as it was."""
+    shards = tmp_path / "data" / "web.shards"
+    shards.mkdir(parents=True)
+    for i in range(2):
+        (shards / f"{i}.jsonl").write_text("".join(json.dumps({"text": f"shard {i} doc {j}"}) + "\n" for j in range(5)))
+    (tmp_path / "mine.shards").mkdir()
+    (tmp_path / "mine.shards" / "notes.txt").write_text("keep me")
+    (tmp_path / "somefile.txt").write_text("a file")
+    before = _tree(tmp_path)
+    args, line = PLACES[case]
+    assert assert_one_line_error(_tokenize(*args, cwd=tmp_path)) == f"kiln: error: {line.format(tmp=tmp_path)}"
+    assert _tree(tmp_path) == before
+
+
+def test_tokenize_starts_no_more_workers_than_shards(tmp_path: Path) -> None:
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": f"doc {j}"}) + "\n" for j in range(5)))
+    result = _tokenize("t.jsonl", "t", "--workers", "8", cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "1 shards, 0 already done; 1 worker(s)" in result.stderr
+    assert result.stdout.splitlines()[-1].endswith(", 1 worker(s))")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.bin.kiln.json", "t.idx", "t.jsonl"]
+
+
+def test_tokenize_ends_when_a_worker_dies_and_a_rerun_resumes(tmp_path: Path) -> None:
+    """A worker killed mid-shard (SIGKILL: the OOM killer) ends the run with one line and exit 1 (a Pool waited for
+    its shard for ever); the re-run keeps the finished shard, and at its end deletes only the files it wrote."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.jsonl").write_text(json.dumps({"text": "a small first shard"}) + "\n")
+    (src / "b.jsonl").write_text(
+        (json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 20}) + "\n") * 800
+    )
+    before = _tree(src)
+    work = tmp_path / "out.shards"
+    with KilnRun(start_kiln(["in", "out", "--workers", "1"], launcher="python", script=TOKENIZE, cwd=tmp_path)) as run:
+        deadline = time.monotonic() + 120
+        while not (work / "000000.idx").exists():  # shard 0 done: the worker is on the big shard 1
+            assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr
+            time.sleep(0.005)
+        (worker,) = [p for p in children(run.proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(worker, signal.SIGKILL)
+        assert run.finish(timeout=120) == 1, run.stderr
+    err = "".join(run.stderr)
+    died = "kiln: error: a tokenizing worker process died (killed, or out of memory?); the finished shards are kept"
+    assert err.splitlines()[-1] == f"{died} in out.shards: re-run the same command to go on", err
+    assert "Traceback" not in err
+    (work / "notes.txt").write_text("not the script's")
+    rerun = _tokenize("in", "out", cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.output
+    assert "2 shards, 1 already done" in rerun.stderr and "left out.shards: it holds files" in rerun.stderr
+    assert rerun.stdout.splitlines()[-1].startswith("wrote out.bin/.idx: 801 documents")
+    assert open_token_file(str(tmp_path / "out.bin"), V).documents == 801
+    assert _tree(work) == {"notes.txt": b"not the script's"} and _tree(src) == before
