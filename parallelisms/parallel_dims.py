@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kiln_base.config import Degrees, resolve_dp_shard
@@ -148,6 +149,16 @@ class ParallelDims:
     @property
     def cp_mesh(self) -> DeviceMesh:
         return self.mesh["cp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline's process group; None without pipeline parallelism."""
+        return self.pp_mesh.get_group() if self.pp_enabled else None
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (0 without pipeline parallelism)."""
+        return self.pp_mesh.get_local_rank() if self.pp_enabled else 0
 
     @property
     def pp_mesh(self) -> DeviceMesh:

@@ -59,8 +59,7 @@ def check_budget(cfg: JobConfig, plan: RunPlan, built: build.BuiltModel, dims: P
     """training.memory_budget_gib against the plan's estimate of this rank's part (kiln_base.config.memory_estimate;
     a pipeline rank: its stages' blocks and the micro-batches its schedule keeps in flight), before any weight is
     allocated."""
-    pp_rank = dims.pp_mesh.get_local_rank() if dims.pp_enabled else 0
-    estimate = memory_estimate(cfg, plan, build.local_params(built.model), device_type, pp_rank)
+    estimate = memory_estimate(cfg, plan, build.local_params(built.model), device_type, dims.pp_rank)
     check_memory_budget(cfg, estimate)
 
 
@@ -196,7 +195,7 @@ class Trainer:
             global_mean=self.train_step.global_mean,
             losses=self.losses,
             validator=self.validator,
-            pp_group=self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp_enabled else None,
+            pp_group=self.parallel_dims.pp_group,
             downstream=self.downstream,
         )
 
