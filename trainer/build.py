@@ -76,6 +76,7 @@ from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.fault_tolerance import checkpoint_subfolder, data_parallel_share
 from trainer.components.loss import LossFn
 from trainer.components.tokenizer import Tokenizer
+from trainer.data.documents import DocumentMask
 from trainer.data.text import DataLoader, build_dataloader, build_validation_loader, dataset_fingerprint
 from trainer.data.tokens import (
     TokenFileLoader,
@@ -171,17 +172,28 @@ def parallel_dims(plan: RunPlan, device_type: str) -> ParallelDims:
     return dims
 
 
+def document_mask(flavor: str, args: ModelArgs, tokenizer: Tokenizer) -> DocumentMask | None:
+    """What a document-masked model needs of token-file data (trainer/data/documents.py); None for causal."""
+    return None if args.attn_mask_type == "causal" else DocumentMask(flavor, tokenizer.eos_id)
+
+
 def data(
-    cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, global_batch: int
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    dims: ParallelDims,
+    device: torch.device,
+    global_batch: int,
+    documents: DocumentMask | None = None,
 ) -> DataLoader | TokenFileLoader:
     """This data-parallel rank's slice of every global batch (the ranks of one TP or CP group, and of one pipeline,
     read the same batches: the `dp` mesh leaves tp, cp and pp out; a CP rank keeps its part of each sequence:
     Trainer.local_batch). Token files (docs/data.md) or text tokenized on the fly; under fault tolerance each replica
-    group reads its share of the global batch."""
+    group reads its share of the global batch. `documents`: a document-masked model's; token-file batches then
+    carry each token's document id (text batches: the model counts BOS tokens)."""
     dp_rank, dp_degree = data_parallel_share(cfg.fault_tolerance, dims.dp_mesh.get_local_rank(), dims.dp_degree)
     pin = device.type == "cuda"
     if uses_token_files(cfg.training):
-        return build_token_loader(cfg.training, tokenizer.n_words, dp_rank, dp_degree, global_batch, pin)
+        return build_token_loader(cfg.training, tokenizer.n_words, dp_rank, dp_degree, global_batch, pin, documents)
     return build_dataloader(cfg.training, tokenizer, dp_rank, dp_degree, pin_memory=pin)
 
 
@@ -190,11 +202,13 @@ def validator(
     tokenizer: Tokenizer,
     dims: ParallelDims,
     device: torch.device,
-    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_of: Callable[..., torch.Tensor],
     global_mean: Callable[[torch.Tensor], float],
+    documents: DocumentMask | None = None,
 ) -> Validator | None:
     """With validation.enable, the validator: this data-parallel rank's slice of the validation set's batches
-    (opened afresh each validation), the training forward and loss (`loss_of`), the average over the ranks."""
+    (opened afresh each validation; token files with document ids under `documents`, as training's), the training
+    forward and loss (`loss_of`), the average over the ranks."""
     if not cfg.validation.enable:
         return None
     dp_rank = dims.dp_mesh.get_local_rank()
@@ -202,7 +216,8 @@ def validator(
     def open_loader() -> DataLoader | TokenFileLoader:
         v, pin = cfg.validation, device.type == "cuda"
         if uses_token_files(v):
-            return build_token_validation_loader(v, cfg.training, tokenizer.n_words, dp_rank, dims.dp_degree, pin)
+            words = tokenizer.n_words
+            return build_token_validation_loader(v, cfg.training, words, dp_rank, dims.dp_degree, pin, documents)
         return build_validation_loader(v, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
 
     return Validator(open_loader, loss_of, global_mean, cfg.validation.steps, device)
@@ -280,7 +295,7 @@ def pipeline(
     cfg: JobConfig, built: BuiltModel, dims: ParallelDims, device: torch.device, loss_fn: LossFn
 ) -> Pipeline | None:
     """Under pipeline parallelism, this rank's stages as torch PipelineStages and the schedule that runs them (under
-    a document mask every stage is handed the token ids its mask is built from)."""
+    a document mask every stage is handed the document ids, or token ids, its mask is built from)."""
     if built.pipeline is None:
         return None
     group = dims.pp_mesh.get_group()

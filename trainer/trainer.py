@@ -58,12 +58,14 @@ logger = logging.getLogger("kiln")
 @dataclass
 class Batch:
     """The part of a micro-batch this rank computes: token ids and labels (bs, seq) and, under context parallelism,
-    the tokens' positions in their sequences and the loss normalizer (ContextParallel.shard_batch)."""
+    the tokens' positions in their sequences and the loss normalizer (ContextParallel.shard_batch); under a document
+    mask over token files, the tokens' document ids (trainer/data/documents.py)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
     normalizer: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
 
 
 def log_precision(param: str, precision: str, device_type: str) -> None:
@@ -74,20 +76,22 @@ def log_precision(param: str, precision: str, device_type: str) -> None:
         logger.warning(f"bfloat16 compute on a CPU, as asked: {CPU_BF16_COST}; auto (float32) is faster there")
 
 
-def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_type: str) -> None:
-    """One start-up line on how the model attends (models/attention.py), and what runs it on this device."""
+def log_attention(
+    attn_type: str, mask_type: str, bos_id: int | None, device_type: str, boundaries: str | None = None
+) -> None:
+    """One start-up line on how the model attends (models/attention.py), where its documents come from (the data
+    loader's `boundaries`, else BOS tokens), and what runs it on this device."""
     if mask_type == "causal":
         logger.info("Attention: causal (scaled_dot_product_attention)")
         return
     kernel = {"flex": "flex_attention", "varlen": "varlen_attn"}[attn_type]
     if attn_type == "flex" and device_type == "cpu":
         kernel = "scaled_dot_product_attention with the block mask evaluated densely (no flex backward on a CPU)"
-    logger.info(
-        f"Attention: {mask_type}: causal within each document, a document starting at token {bos_id} (BOS); {kernel}"
-    )
+    where = boundaries or f"a document starting at token {bos_id} (BOS)"
+    logger.info(f"Attention: {mask_type}: causal within each document, {where}; {kernel}")
 
 
-def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str) -> None:
+def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str, boundaries: str | None = None) -> None:
     """The start-up lines on the model: shape, parameters, FLOPs per token (both conventions), how it attends."""
     args = built.args
     flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
@@ -95,7 +99,7 @@ def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str) -> None
         f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
         f"{args.vocab_size}, seq {cfg.training.seq_len}; {flops}"
     )
-    log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type)
+    log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type, boundaries)
 
 
 def check_budget(cfg: JobConfig, plan: RunPlan, built: build.BuiltModel, dims: ParallelDims, device_type: str) -> None:
@@ -172,12 +176,13 @@ class Trainer:
         self.grad_accum_steps = self.plan.grad_accum_steps
         set_determinism(t.seed, t.deterministic)
         global_batch = self.grad_accum_steps * t.local_batch_size * dp_degree
-        self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device, global_batch)
+        documents = build.document_mask(cfg.model.flavor, args, self.tokenizer)  # None: causal
+        self.dataloader = build.data(cfg, self.tokenizer, self.parallel_dims, self.device, global_batch, documents)
 
         built = build.build_model(cfg, args, self.parallel_dims, self.float8, pipeline=self.plan.pipeline)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
         check_budget(cfg, self.plan, built, self.parallel_dims, self.device.type)
-        log_model(cfg, built, self.device.type)
+        log_model(cfg, built, self.device.type, getattr(self.dataloader, "boundaries", None))
         build.materialize(built.parts, self.device, build.init_seed(t.seed))
         self.precision, self.amp = compute_precision(t, self.parallel_dims, self.device.type)
         self.cp = built.cp  # each rank's part of a sequence (the blocks' attention shares it)
@@ -185,7 +190,7 @@ class Trainer:
         self.loss_fn = build_loss_fn(t.compile and not self.loss_parallel)
         self.pipeline = build.pipeline(cfg, built, self.parallel_dims, self.device, self.loss_fn)  # None without PP
         self.validator = build.validator(
-            cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss
+            cfg, self.tokenizer, self.parallel_dims, self.device, self.eval_loss, self._global_mean_loss, documents
         )
 
         self.downstream = self._downstream_eval(cfg) if cfg.eval.enable else None  # [eval]: tasks load now
@@ -255,30 +260,36 @@ class Trainer:
             logger.warning(line)
         self.step = int(state["step"])
 
-    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
-        """What this rank computes of a micro-batch its data-parallel rank reads: all of it, or under context
-        parallelism its part of every sequence, the tokens' positions and the loss normalizer."""
+    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None) -> Batch:
+        """What this rank computes of a micro-batch its data-parallel rank reads: all of it (with its document ids,
+        when its data records them), or under context parallelism its part of every sequence, the tokens' positions
+        and the loss normalizer (document masks are refused with CP: kiln_base/config/checks.py)."""
         if self.cp is None:
-            return Batch(inputs, labels)
+            return Batch(inputs, labels, doc_ids=doc_ids)
+        assert doc_ids is None, "document masks with context parallelism are refused at config time"
         return Batch(*self.cp.shard_batch(inputs, labels))
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward and fp32 cross-entropy of one micro-batch (under context parallelism, of this rank's part)."""
-        batch = self.local_batch(inputs, labels)
+        batch = self.local_batch(inputs, labels, doc_ids)
         with self.amp:
-            logits = self.model(batch.inputs, positions=batch.positions)
+            logits = self.model(batch.inputs, positions=batch.positions, doc_ids=batch.doc_ids)
         return self.loss_fn(logits, batch.labels, batch.normalizer)
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The forward and loss of one batch as training computes them, without backward (validation; the caller
         holds torch.no_grad): the mean loss over this rank's tokens (under pipeline parallelism, through every stage:
         on every rank of the pipeline)."""
         if self.pipeline is not None:
-            batch = self.local_batch(inputs, labels)
+            batch = self.local_batch(inputs, labels, doc_ids)
             with self.amp, self.loss_context():
-                return self.pipeline.evaluate(batch.inputs, batch.labels, batch.positions)
+                return self.pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.doc_ids)
         with self.loss_context():
-            loss = self.forward_loss(inputs, labels)
+            loss = self.forward_loss(inputs, labels, doc_ids)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def eval_log_likelihood(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -317,10 +328,12 @@ class Trainer:
         """Loss parallel (TP): cross-entropy over vocab-sharded logits; the loss and its backward run inside."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
         with self.loss_context():
-            loss = self.forward_loss(inputs, labels)
+            loss = self.forward_loss(inputs, labels, doc_ids)
             (loss / self.grad_accum_steps).backward()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel: a replicated DTensor
         return loss.detach()
@@ -329,10 +342,9 @@ class Trainer:
         """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
         training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
         saved_activations.py), the rest is measured eagerly, and the log says which is which."""
-        inputs, labels = next(self.dataloader)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, *docs = (t.to(self.device) for t in next(self.dataloader))  # docs: [doc_ids] of token files
         with self.loss_context():
-            report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels))
+            report = measure_saved_activations(self.model, lambda: self.forward_loss(inputs, labels, *docs))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
             logger.info(f"Tensors kept for backward by producing op (rank {dist.get_rank()}):\n{report.format()}")
@@ -358,16 +370,17 @@ class Trainer:
         first = self.dataloader.state_dict() if self.skip is not None else {}  # the batch's position, for a skip
         for _ in range(self.grad_accum_steps):
             t0 = time.perf_counter()
-            inputs, labels = next(self.dataloader)
-            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            # A token-file batch of a document-masked run adds its tokens' document ids: docs = [doc_ids].
+            inputs, labels, *docs = (t.to(self.device, non_blocking=True) for t in next(self.dataloader))
             # Tokens this rank computes: a context-parallel rank, its 1/cp of each sequence.
             tokens, data_time = tokens + inputs.numel() // self.parallel_dims.cp, data_time + time.perf_counter() - t0
             if self.pipeline is not None:  # every micro-batch through every stage; the loss on every stage's rank
-                batch = self.local_batch(inputs, labels)
+                batch = self.local_batch(inputs, labels, *docs)
                 with self.amp, self.loss_context():
-                    loss_sum += self.pipeline.step(batch.inputs, batch.labels, self.grad_accum_steps, batch.positions)
+                    accum, pos = self.grad_accum_steps, batch.positions
+                    loss_sum += self.pipeline.step(batch.inputs, batch.labels, accum, pos, batch.doc_ids)
             else:
-                loss_sum += self.forward_backward(inputs, labels)
+                loss_sum += self.forward_backward(inputs, labels, *docs)
         loss = loss_sum / self.grad_accum_steps
         if self.ft is not None:  # across replica groups: gradient shards and loss averaged over the live groups
             loss = self.ft.average(self.model.parameters(), loss)
