@@ -31,10 +31,11 @@ class ModelArgs:
     depth_init: bool = True  # output projections' init std shrinks with layer depth
     tie_word_embeddings: bool = False
     # Attention (models/attention.py): the kernel, and the mask. block_causal: causal within each document of the
-    # packed sequence, a document starting at each bos_id token (kiln's loader writes BOS ... EOS per document).
+    # packed sequence: documents from the batch's doc_ids where its data records them (token files), else a document
+    # starting at each bos_id token (kiln's text loader writes BOS ... EOS per document).
     attn_type: str = "sdpa"  # sdpa | flex | varlen
     attn_mask_type: str = "causal"  # causal | block_causal
-    bos_id: int | None = None  # set from the tokenizer at build time (like vocab_size); block_causal needs it
+    bos_id: int | None = None  # set from the tokenizer at build time (like vocab_size); block_causal on text needs it
 
     def shape(self) -> ModelShape:
         """What the config checks need to know of this shape (kiln_base/config/checks.py)."""

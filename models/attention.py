@@ -1,20 +1,26 @@
 """Attention masks and kernels: causal attention, or block-causal document masking of packed sequences.
 
-kiln packs documents back to back (trainer/data/text.py: each document is encoded BOS ... EOS, the documents
-are concatenated and cut into windows). Under the `causal` mask every token attends to every earlier token of the
-window, the previous, unrelated documents included. `block_causal` (Llama 3's pretraining mask; torchtitan's
-`*_flex` and `*_varlen` flavors) stops attention at document boundaries: a token attends to the earlier tokens of
-its own document only. A document starts at each BOS token; the tokens before a window's first BOS (the tail of a
-document begun in an earlier window) form one document.
+kiln packs documents back to back and cuts the stream into windows. Under the `causal` mask every token attends to
+every earlier token of the window, the previous, unrelated documents included. `block_causal` (Llama 3's
+pretraining mask; torchtitan's `*_flex` and `*_varlen` flavors) stops attention at document boundaries: a token
+attends to the earlier tokens of its own document only.
+
+Where the boundaries come from is the data's fact, not the model's: a batch carries each token's document id
+(`doc_ids`, (bs, seq) int32, the number of documents begun in the row up to and including the token) where the data
+records its documents (trainer/data/token_files.py: a Megatron `.idx`'s document index; an EOS token in a flat
+numpy file, which has no index). Without them (text, trainer/data/text.py, which encodes each document BOS ... EOS)
+a document starts at each BOS token (`document_ids`). Either way the tokens of a row before its first boundary (the
+tail of a document begun in an earlier window) form one document.
 
 Positions are not reset at a boundary. RoPE makes a query-key score depend on the two tokens' distance only, so a
 document packed after others gets the logits it gets alone (tests/models/test_attention.py).
 
-How a mask reaches attention: `Transformer.forward` builds it once per batch from the token ids, eagerly, before the
-blocks, and hands it to every block: `block(x, freqs_cis, mask)`. Its tensors change value every batch but not
-shape, so a compiled block takes each new mask without recompiling (dynamo guards on shapes, not values). A pipeline
-stage that receives hidden states instead of tokens must be handed the mask (`Transformer.attention_mask` of the
-batch's tokens); context parallelism must give each rank the query rows of its sequence shard.
+How a mask reaches attention: `Transformer.forward` builds it once per batch from the document ids (given, or
+counted from the token ids' BOS), eagerly, before the blocks, and hands it to every block: `block(x, freqs_cis,
+mask)`. Its tensors change value every batch but not shape, so a compiled block takes each new mask without
+recompiling (dynamo guards on shapes, not values). A pipeline stage that receives hidden states instead of tokens
+must be handed what the mask is built from (the batch's doc_ids, or its token ids); context parallelism must give
+each rank the query rows of its sequence shard.
 
 | attn_type | attn_mask_type | kernel |
 | --- | --- | --- |
@@ -60,23 +66,24 @@ def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
     return torch.cumsum(tokens == bos_id, dim=1, dtype=torch.int32)
 
 
-def block_causal_mask(tokens: torch.Tensor, bos_id: int) -> BlockMask:
-    """The flex BlockMask of a batch: query q sees key k iff k <= q and both are in the same document."""
-    docs = document_ids(tokens, bos_id)
+def block_causal_mask(docs: torch.Tensor) -> BlockMask:
+    """The flex BlockMask of a batch's document ids (bs, seq): query q sees key k iff k <= q and both are in the
+    same document."""
 
     def block_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-    bs, seq = tokens.shape
-    return create_block_mask(block_causal, bs, None, seq, seq, device=tokens.device)
+    bs, seq = docs.shape
+    return create_block_mask(block_causal, bs, None, seq, seq, device=docs.device)
 
 
-def varlen_mask(tokens: torch.Tensor, bos_id: int) -> VarlenMask:
-    """The documents of a batch as `varlen_attn` takes them: each row is cut at its BOS tokens (and starts a
-    document), and the pieces of all rows are numbered in order in the flattened (bs * seq) batch."""
-    bs, seq = tokens.shape
-    starts = tokens == bos_id
-    starts[:, 0] = True
+def varlen_mask(docs: torch.Tensor) -> VarlenMask:
+    """The documents of a batch (its document ids, (bs, seq)) as `varlen_attn` takes them: each row is cut where
+    its id changes (and starts a document), and the pieces of all rows are numbered in order in the flattened
+    (bs * seq) batch."""
+    bs, seq = docs.shape
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
     cu = torch.nonzero(starts.flatten()).flatten().to(torch.int32)  # the number of documents: a host sync
     cu_seqlens = torch.cat([cu, cu.new_full((1,), bs * seq)])
     mark_dynamic(cu_seqlens, 0)  # its length changes every batch: one compiled graph for every length

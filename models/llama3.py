@@ -4,7 +4,7 @@ Module and attribute names match torchtitan exactly so that tensor-parallel plan
 and checkpoints written for torchtitan apply unchanged. No distributed code lives here.
 
 Blocks take (x, freqs_cis, attention_mask): the mask is None for causal attention, or the batch's document mask
-(models/attention.py), built once per forward from the token ids.
+(models/attention.py), built once per forward from the batch's document ids (or its token ids' BOS).
 """
 
 import math
@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln_base.internals import unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
-from models.attention import SUPPORTED, AttentionMask, attend, block_causal_mask, varlen_mask
+from models.attention import SUPPORTED, AttentionMask, attend, block_causal_mask, document_ids, varlen_mask
 
 
 @dataclass(frozen=True)
@@ -269,17 +269,20 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             inits[unwrapped_fqn(name)].fill_(param, generator)
 
-    def attention_mask(self, tokens: torch.Tensor) -> AttentionMask:
+    def attention_mask(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> AttentionMask:
         """The attention mask of a batch of token ids (bs, seqlen): None for causal attention, else the documents'
-        mask (a document starts at each bos_id). Transformer.forward calls it, on the token ids it is given."""
+        mask: of `doc_ids` (bs, seqlen), each token's document, where the data records its documents
+        (trainer/data/token_files.py), else a document starting at each bos_id. Transformer.forward calls it."""
         args = self.model_args
         if args.attn_mask_type == "causal":
             return None
-        if args.bos_id is None:
-            raise ValueError("attn_mask_type block_causal needs ModelArgs.bos_id (the tokenizer's BOS id)")
+        if doc_ids is None:
+            if args.bos_id is None:
+                raise ValueError("attn_mask_type block_causal needs ModelArgs.bos_id (the tokenizer's BOS id)")
+            doc_ids = document_ids(tokens, args.bos_id)
         if args.attn_type == "varlen":
-            return varlen_mask(tokens, args.bos_id)
-        return block_causal_mask(tokens, args.bos_id)
+            return varlen_mask(doc_ids)
+        return block_causal_mask(doc_ids)
 
     def forward(
         self,
@@ -287,22 +290,25 @@ class Transformer(nn.Module):
         attention_mask: AttentionMask = None,
         token_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab); passes hidden states through
         whichever of tok_embeddings / norm / output a pipeline stage has removed.
 
-        `attention_mask`: the batch's mask (`attention_mask(tokens)`), built here when not given. A pipeline stage
-        without tok_embeddings receives hidden states in `tokens`: under a document mask it is given the batch's
-        token ids in `token_ids` (every stage of a pipeline sees the batch; parallelisms/pipeline.py) and builds
-        the same mask from them.
+        `attention_mask`: the batch's mask (`attention_mask(tokens, doc_ids)`), built here when not given.
+        `doc_ids` (bs, seqlen) int32: each token's document, where the batch's data records its documents (a
+        Megatron .idx, EOS in a numpy token file); without them a document starts at each BOS token id. A pipeline
+        stage without tok_embeddings receives hidden states in `tokens`: under a document mask it is given the
+        batch's doc_ids, or its token ids in `token_ids` (every stage of a pipeline sees the batch;
+        parallelisms/pipeline.py), and builds the same mask from them.
         `positions` (seqlen,) int64: where in the sequence each token sits, when the tokens are not positions
         0..seqlen-1 (a context-parallel rank holds chunks from across the sequence); RoPE rotates by them. A
         pipeline hands them as (bs, seqlen) with equal rows (its schedule splits keyword inputs by rows)."""
         if attention_mask is None and self.model_args.attn_mask_type != "causal":
-            if token_ids is None and self.tok_embeddings is None:
-                raise ValueError("a stage fed hidden states needs the batch's token_ids (document masking)")
+            if doc_ids is None and token_ids is None and self.tok_embeddings is None:
+                raise ValueError("a stage fed hidden states needs the batch's doc_ids or token_ids (document masking)")
             # Eager, once per forward, outside the (compiled) blocks: every block reuses it.
-            attention_mask = self.attention_mask(token_ids if token_ids is not None else tokens)
+            attention_mask = self.attention_mask(token_ids if token_ids is not None else tokens, doc_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is not None and positions.dim() == 2:
             positions = positions[0]

@@ -17,10 +17,11 @@ checkpoint is the whole model's, and loads into any other layout. `StagedModel` 
 one module under those names, for the optimizer, the checkpoint, the init and the hooks.
 
 Document masking (models/attention.py): only the first stage receives the token ids; the others receive hidden
-states. Every rank of a pipeline reads the same batches, so the schedule hands each stage the micro-batch's token
-ids as a keyword argument (torch splits keyword tensors into micro-batches like the inputs, and passes them to
-every stage), and each stage builds the micro-batch's mask from them (Transformer.forward's `token_ids`): the mask
-a single process builds for those rows.
+states. Every rank of a pipeline reads the same batches, so the schedule hands each stage what the micro-batch's
+mask is built from as a keyword argument: its document ids where the data records them (token files), else its
+token ids (torch splits keyword tensors into micro-batches like the inputs, and passes them to every stage), and
+each stage builds the micro-batch's mask from them (Transformer.forward's `doc_ids` / `token_ids`): the mask a
+single process builds for those rows.
 
 Context parallelism: each rank of a pipeline stage holds its CP part of every sequence (the Trainer shards the batch
 before the schedule, ContextParallel.shard_batch), and every stage is handed those tokens' positions the same way,
@@ -133,13 +134,16 @@ class Pipeline:
         return stages, schedule
 
     def _inputs(
-        self, inputs: torch.Tensor, positions: torch.Tensor | None
+        self, inputs: torch.Tensor, positions: torch.Tensor | None, doc_ids: torch.Tensor | None = None
     ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-        """The schedule's positional inputs (the first stage's) and the keyword inputs every stage gets: the token
-        ids under a document mask; under context parallelism the positions of this rank's tokens, one row per
-        sequence (the schedule splits keyword tensors by rows, as it splits the inputs)."""
+        """The schedule's positional inputs (the first stage's) and the keyword inputs every stage gets: under a
+        document mask the batch's document ids (`doc_ids`, where its data records them) or else its token ids; under
+        context parallelism the positions of this rank's tokens, one row per sequence (the schedule splits keyword
+        tensors by rows, as it splits the inputs)."""
         args = (inputs,) if self.has_first else ()
-        kwargs = {"token_ids": inputs} if self.document_masks else {}
+        kwargs: dict[str, torch.Tensor] = {}
+        if self.document_masks:
+            kwargs = {"token_ids": inputs} if doc_ids is None else {"doc_ids": doc_ids}
         if positions is not None:
             kwargs["positions"] = positions.expand(inputs.shape[0], -1)
         return args, kwargs
@@ -151,22 +155,32 @@ class Pipeline:
         return self.loss_fn(logits, labels, None) / self.scale
 
     def step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, accumulation: int, positions: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        accumulation: int,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one local batch through every stage; the batch's mean loss on every rank of the
         pipeline (summed in from the last stage's rank: one scalar all-reduce over the pipeline group).
         `accumulation`: the local batches whose gradients this optimizer step sums. `positions`: under context
         parallelism, where this rank's tokens sit in the sequence (its loss is then the mean over its tokens,
-        which is the sum over them divided by the sequence's tokens / cp: ContextParallel.shard_batch)."""
+        which is the sum over them divided by the sequence's tokens / cp: ContextParallel.shard_batch). `doc_ids`:
+        the batch's document ids, where its data records them (document masking)."""
         self.scale = self.plan.microbatches * accumulation
-        args, kwargs = self._inputs(inputs, positions)
+        args, kwargs = self._inputs(inputs, positions, doc_ids)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return self._summed(losses, accumulation)
 
     def evaluate(
-        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The forward and loss of one local batch through every stage, without backward (validation, under
         torch.no_grad): the batch's mean loss on every rank of the pipeline. It runs stages and a schedule of its
@@ -175,7 +189,7 @@ class Pipeline:
         n = inputs.shape[0] // self.microbatch_size
         if n not in self._eval:
             self._eval[n] = self._forward_only(n, lambda logits, target: self.loss_fn(logits, target, None) / n)
-        args, kwargs = self._inputs(inputs, positions)
+        args, kwargs = self._inputs(inputs, positions, doc_ids)
         target = labels if self.has_last else None
         losses: list[Any] | None = [] if self.has_last else None
         self._eval[n].eval(*args, target=target, losses=losses, **kwargs)

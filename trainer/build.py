@@ -83,6 +83,7 @@ from trainer.checkpoint.resume import TrainState, file_sha256, training_settings
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.loss import build_loss_fn
 from trainer.components.tokenizer import Tokenizer
+from trainer.data.documents import DocumentMask
 from trainer.data.text import DataLoader, build_dataloader, build_validation_loader
 from trainer.data.tokens import (
     TokenFileLoader,
@@ -180,25 +181,43 @@ def parallel_dims(plan: RunPlan, device_type: str) -> ParallelDims:
     return dims
 
 
+def document_mask(flavor: str, args: ModelArgs, tokenizer: Tokenizer) -> DocumentMask | None:
+    """What a document-masked model needs of token-file data (trainer/data/documents.py); None for causal."""
+    return None if args.attn_mask_type == "causal" else DocumentMask(flavor, tokenizer.eos_id)
+
+
 def data(
-    cfg: JobConfig, tokenizer: Tokenizer, plan: RunPlan, dims: ParallelDims, device: torch.device
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    plan: RunPlan,
+    dims: ParallelDims,
+    device: torch.device,
+    documents: DocumentMask | None = None,
 ) -> DataLoader | TokenFileLoader:
     """This data-parallel rank's slice of every global batch (the ranks of one TP or CP group, and of one pipeline,
     read the same batches: the `dp` mesh leaves tp, cp and pp out; a CP rank keeps its part of each sequence:
     TrainStep.local_batch). Token files (docs/data.md) or text tokenized on the fly, decided here once; under fault
-    tolerance each replica group reads its share of the global batch (the plan's data streams)."""
+    tolerance each replica group reads its share of the global batch (the plan's data streams). `documents`: a
+    document-masked model's; token-file batches then carry each token's document id (text batches: the model counts
+    BOS tokens)."""
     stream, streams = plan.batch.stream(dims.dp_mesh.get_local_rank()), plan.batch.data_streams
     pin = device.type == "cuda"
     if uses_token_files(cfg.training):
-        return build_token_loader(cfg.training, tokenizer.n_words, stream, streams, plan.global_batch, pin)
+        return build_token_loader(cfg.training, tokenizer.n_words, stream, streams, plan.global_batch, pin, documents)
     return build_dataloader(cfg.training, tokenizer, stream, streams, pin_memory=pin)
 
 
 def validator(
-    cfg: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, step: TrainStep
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    dims: ParallelDims,
+    device: torch.device,
+    step: TrainStep,
+    documents: DocumentMask | None = None,
 ) -> Validator | None:
     """With validation.enable, the validator: this data-parallel rank's slice of the validation set's batches
-    (opened afresh each validation), the step's forward and loss, the average over the ranks."""
+    (opened afresh each validation; token files with document ids under `documents`, as training's), the step's
+    forward and loss, the average over the ranks."""
     if not cfg.validation.enable:
         return None
     dp_rank = dims.dp_mesh.get_local_rank()
@@ -206,7 +225,8 @@ def validator(
     def open_loader() -> DataLoader | TokenFileLoader:
         v, pin = cfg.validation, device.type == "cuda"
         if uses_token_files(v):
-            return build_token_validation_loader(v, cfg.training, tokenizer.n_words, dp_rank, dims.dp_degree, pin)
+            words = tokenizer.n_words
+            return build_token_validation_loader(v, cfg.training, words, dp_rank, dims.dp_degree, pin, documents)
         return build_validation_loader(v, cfg.training, tokenizer, dp_rank, dims.dp_degree, pin)
 
     return Validator(open_loader, step.evaluate, step.global_mean, cfg.validation.steps, device)
@@ -333,8 +353,8 @@ def step(
 ) -> TrainStep:
     """The step object, its variant chosen here once: the whole model (TrainStep) or, under pipeline parallelism,
     this rank's stages as torch PipelineStages and their schedule (PipelineStep; under a document mask every stage
-    is handed the token ids its mask is built from). The loss is compiled with the model, except over vocab-sharded
-    logits (TP loss parallel)."""
+    is handed the document ids, or token ids, its mask is built from). The loss is compiled with the model, except
+    over vocab-sharded logits (TP loss parallel)."""
     t = cfg.training
     amp = compute_precision(t, dims, device.type)
     vocab_sharded = loss_parallel_enabled(dims, cfg.parallelism)

@@ -31,20 +31,22 @@ from trainer.tools.saved_activations import SavedActivationReport, measure_saved
 logger = logging.getLogger("kiln")
 
 
-def log_attention(attn_type: str, mask_type: str, bos_id: int | None, device_type: str) -> None:
-    """One start-up line on how the model attends (models/attention.py), and what runs it on this device."""
+def log_attention(
+    attn_type: str, mask_type: str, bos_id: int | None, device_type: str, boundaries: str | None = None
+) -> None:
+    """One start-up line on how the model attends (models/attention.py), where its documents come from (the data
+    loader's `boundaries`, else BOS tokens), and what runs it on this device."""
     if mask_type == "causal":
         logger.info("Attention: causal (scaled_dot_product_attention)")
         return
     kernel = {"flex": "flex_attention", "varlen": "varlen_attn"}[attn_type]
     if attn_type == "flex" and device_type == "cpu":
         kernel = "scaled_dot_product_attention with the block mask evaluated densely (no flex backward on a CPU)"
-    logger.info(
-        f"Attention: {mask_type}: causal within each document, a document starting at token {bos_id} (BOS); {kernel}"
-    )
+    where = boundaries or f"a document starting at token {bos_id} (BOS)"
+    logger.info(f"Attention: {mask_type}: causal within each document, {where}; {kernel}")
 
 
-def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str) -> None:
+def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str, boundaries: str | None = None) -> None:
     """The start-up lines on the model: shape, parameters, FLOPs per token (both conventions), how it attends."""
     args = built.args
     flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
@@ -52,7 +54,7 @@ def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str) -> None
         f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
         f"{args.vocab_size}, seq {cfg.training.seq_len}; {flops}"
     )
-    log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type)
+    log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type, boundaries)
 
 
 def check_budget(cfg: JobConfig, plan: RunPlan, built: build.BuiltModel, dims: ParallelDims, device_type: str) -> None:
@@ -111,19 +113,20 @@ class Trainer:
         local_ranks = 1 if self.device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         build.check_fits(cfg, self.plan, local_ranks, self.device)
         set_determinism(t.seed, t.deterministic)
-        self.dataloader = build.data(cfg, self.tokenizer, self.plan, dims, self.device)
+        documents = build.document_mask(cfg.model.flavor, args, self.tokenizer)  # None: causal
+        self.dataloader = build.data(cfg, self.tokenizer, self.plan, dims, self.device, documents)
 
         built = build.build_model(cfg, args, dims, self.float8, pipeline=self.plan.pipeline)
         self.model, self.flops_per_token, self.n_params = built.model, built.flops_per_token, built.n_params
         check_budget(cfg, self.plan, built, dims, self.device.type)
-        log_model(cfg, built, self.device.type)
+        log_model(cfg, built, self.device.type, self.dataloader.boundaries)
         build.materialize(built.parts, self.device, build.init_seed(t.seed))
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.train_step = build.step(
             cfg, self.plan, built, dims, self.device, self.optimizer, self.lr_scheduler, self.dataloader, self.float8
         )
-        self.validator = build.validator(cfg, self.tokenizer, dims, self.device, self.train_step)
+        self.validator = build.validator(cfg, self.tokenizer, dims, self.device, self.train_step, documents)
         self.downstream = build.downstream_eval(cfg, self.tokenizer, self.device, self.train_step)  # tasks load now
 
         settings = build.run_settings(cfg, args, self.plan.global_batch, self.dataloader)
@@ -168,11 +171,10 @@ class Trainer:
         """One forward+backward on a real batch under the configured setup; log the bytes kept for backward. Under
         training.compile the compiled regions are read from their partitioned graphs (trainer/tools/
         saved_activations.py), the rest is measured eagerly, and the log says which is which."""
-        inputs, labels = next(self.dataloader)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, *docs = (t.to(self.device) for t in next(self.dataloader))  # docs: [doc_ids] of token files
         step = self.train_step
         with step.loss_context():
-            report = measure_saved_activations(self.model, lambda: step.forward_loss(inputs, labels))
+            report = measure_saved_activations(self.model, lambda: step.forward_loss(inputs, labels, *docs))
         self.optimizer.zero_grad()
         if self.is_logging_rank:
             logger.info(f"Tensors kept for backward by producing op (rank {dist.get_rank()}):\n{report.format()}")

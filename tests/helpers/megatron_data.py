@@ -17,23 +17,31 @@ from tests.helpers.data import TOKENIZER
 CORPUS = ROOT / "assets" / "corpus" / "kiln_corpus.jsonl"
 
 
-def corpus_documents(limit: int | None = None) -> list[list[int]]:
+def corpus_documents(limit: int | None = None, bos: bool = True) -> list[list[int]]:
+    """The corpus's records encoded BOS ... EOS (kiln's convention), or with `bos=False` text ... EOD as Megatron's
+    preprocess_data.py writes them with --append-eod (the EOD is the tokenizer's EOS; no BOS)."""
     docs = []
     with open(CORPUS) as f:
         for line in f:
             if line.strip() and (limit is None or len(docs) < limit):
-                docs.append(TOKENIZER.encode(json.loads(line)["text"], bos=True, eos=True))
+                docs.append(TOKENIZER.encode(json.loads(line)["text"], bos=bos, eos=True))
     return docs
 
 
-def megatron_write(prefix: Path, docs: list[list[int]], dtype: type = np.int32) -> Path:
-    """prefix.bin/.idx written by megatron.core's IndexedDatasetBuilder; returns the prefix."""
+def megatron_write(prefix: Path, docs: list[list[int]], dtype: type = np.int32, sentence: int | None = None) -> Path:
+    """prefix.bin/.idx written by megatron.core's IndexedDatasetBuilder; returns the prefix. With `sentence`, each
+    document is written as sequences of up to that many tokens (preprocess_data.py --split-sentences: several
+    sequences, one document)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its import warns about optional packages (apex, transformer-engine)
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for doc in docs:
+        if sentence is not None:
+            lengths = [min(sentence, len(doc) - i) for i in range(0, len(doc), sentence)]
+            builder.add_document(np.asarray(doc, dtype=np.int64), lengths)  # type: ignore[arg-type]
+            continue
         builder.add_item(torch.tensor(doc, dtype=torch.int64))
         builder.end_document()
     builder.finalize(f"{prefix}.idx")

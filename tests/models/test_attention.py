@@ -136,7 +136,7 @@ def test_cpu_block_mask_path_computes_what_flex_attention_computes() -> None:
     """On a CPU, attend() evaluates the BlockMask densely for SDPA; flex_attention itself (forward only on a CPU,
     the kernel a GPU runs) gives the same output, and both equal the mask written out by hand."""
     q, k, v, tokens = _qkv_and_tokens()
-    mask = block_causal_mask(tokens, BOS)
+    mask = block_causal_mask(document_ids(tokens, BOS))
     with torch.no_grad():
         ours, flex = attend(q, k, v, mask), flex_attention(q, k, v, block_mask=mask)
     torch.testing.assert_close(ours, flex, rtol=0, atol=1e-6)
@@ -148,7 +148,7 @@ def test_varlen_mask_cuts_rows_at_bos_and_packs_documents(monkeypatch: pytest.Mo
     kiln's packing and unpacking around it give the block-causal output (checked with a per-document stand-in for
     the kernel: causal SDPA over each [start, end) of the flattened batch)."""
     q, k, v, tokens = _qkv_and_tokens()
-    mask = varlen_mask(tokens, BOS)
+    mask = varlen_mask(document_ids(tokens, BOS))
     assert mask.cu_seqlens.tolist() == [0, 17, 50, 80, 80 + 33, 80 + 34, 160] and mask.max_len == 80
 
     def per_document(q, k, v, cu_q, cu_k, max_q, max_k, window_size):  # noqa: ANN001, ANN202
@@ -184,7 +184,7 @@ def test_compiled_flex_attention_takes_a_new_block_mask_every_batch_without_reco
         for i in range(4):
             tokens = torch.randint(0, 1900, (2, 80), generator=g)
             tokens[:, torch.randint(0, 80, (i + 1,), generator=g)] = BOS
-            out = fn(q, k, v, block_causal_mask(tokens, BOS))
+            out = fn(q, k, v, block_causal_mask(document_ids(tokens, BOS)))
             torch.testing.assert_close(out, _dense_reference(q, k, v, tokens), rtol=0, atol=1e-5)
             if i == 0:
                 first = dynamo_graphs_compiled()

@@ -193,6 +193,7 @@ class DataLoader:
         self._it: Iterator[list[int]] | None = None  # used when prefetch == 0
 
     tokens_by_source = None  # one text stream: no per-source counts (TokenFileLoader's mix has them)
+    boundaries = None  # documents start at the tokenizer's BOS, which the model finds itself
 
     def __iter__(self) -> DataLoader:
         return self

@@ -63,10 +63,27 @@ class TokenFile:
     tokens: np.ndarray  # 1-D memmap
     documents: int | None  # from the .idx; None for numpy files
     max_token_id: int | None  # from the stats sidecar, when there is one
+    # The .idx's sequence pointers and document indices (memory-mapped), where the documents are recorded.
+    index: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    def document_starts(self, start: int, stop: int, eos_id: int) -> np.ndarray:
+        """Where documents begin inside tokens (start, stop) of this file, as offsets from `start` (a document
+        beginning at `start` itself is the window's first either way): from the .idx's document index when the file
+        has one (a document starts at its first sequence's pointer), else after each `eos_id` token (a flat numpy
+        file records no documents; its writer ends each with EOS). O(log documents) with an index: two binary
+        searches over memory-mapped arrays, nothing materialised."""
+        if self.index is None:
+            return np.flatnonzero(self.tokens[start : stop - 1] == eos_id) + 1
+        pointers, docs = self.index
+        size = self.tokens.dtype.itemsize
+        first = np.searchsorted(pointers, start * size, side="right")  # the sequences beginning inside: [first, last)
+        last = np.searchsorted(pointers, stop * size, side="left")
+        lo, hi = np.searchsorted(docs[:-1], [first, last], side="left")  # the documents whose first sequence is one
+        return np.asarray(pointers[docs[lo:hi]]) // size - start
 
 
 def is_token_path(path: str) -> bool:
@@ -194,14 +211,15 @@ def open_token_file(path: str, n_words: int) -> TokenFile:
     reading its tokens: the index against the file, the dtype against the vocabulary, the sidecar's largest id."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such token file")
-    documents = None
+    documents, index = None, None
     if path.endswith(".npy"):
         tokens, size = _open_npy(path, n_words)
     else:
-        dtype, lengths, _, docs = read_index(path[: -len(".bin")] + ".idx", path)
+        dtype, lengths, pointers, docs = read_index(path[: -len(".bin")] + ".idx", path)
         size = os.path.getsize(path)
         tokens = np.memmap(path, mode="r", dtype=dtype) if size else np.zeros(0, dtype)
         documents = max(int(docs.shape[0]) - 1, 0)
+        index = (pointers, docs)
     if tokens.dtype.kind not in "iu":
         raise DataError(f"{path}: {tokens.dtype.name} values; token files hold integer ids (uint16, int32, ...)")
     if np.iinfo(tokens.dtype).max < n_words - 1:
@@ -215,7 +233,7 @@ def open_token_file(path: str, n_words: int) -> TokenFile:
             f"{path}: holds token id {max_id}, outside the tokenizer's vocabulary (0 to {n_words - 1}); "
             f"it was tokenized with another tokenizer"
         )
-    return TokenFile(path=path, tokens=tokens, documents=documents, max_token_id=max_id)
+    return TokenFile(path=path, tokens=tokens, documents=documents, max_token_id=max_id, index=index)
 
 
 def write_index(idx_path: str, dtype: np.dtype, lengths: np.ndarray) -> None:

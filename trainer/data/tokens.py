@@ -20,6 +20,13 @@ import torch
 
 from kiln_base.config import Training, Validation, validation_shape
 from kiln_base.errors import DataError
+from trainer.data.documents import (
+    BoundaryWatch,
+    DocumentMask,
+    boundaries_line,
+    check_boundaries_recorded,
+    document_ids,
+)
 from trainer.data.sample_index import Mixture, open_mixture
 from trainer.data.token_files import is_token_path, token_file_paths
 
@@ -50,6 +57,9 @@ class TokenFileLoader:
 
     `samples`: with a count, the iteration ends before the first round that would pass it (validation: once through
     the set, an incomplete last round dropped); None, it never ends (training: sources repeat, epoch by epoch).
+    `eos_id`: the tokenizer's EOS, given when the model masks attention by document: each batch is then (inputs,
+    labels, doc_ids), doc_ids (local_batch_size, seq_len) int32 (trainer/data/documents.py). `watch` looks at the
+    first batches' boundaries (training).
     """
 
     def __init__(
@@ -62,8 +72,12 @@ class TokenFileLoader:
         samples: int | None = None,
         pin_memory: bool = False,
         source: str = "training.dataset_mix",
+        eos_id: int | None = None,
+        watch: BoundaryWatch | None = None,
     ) -> None:
         self.mixture, self.source = mixture, source  # `source`: the key errors name
+        self.eos_id, self.watch = eos_id, watch
+        self.boundaries = boundaries_line(mixture, eos_id) if eos_id is not None else None  # for the attention line
         self.window = mixture.sources[0].window
         self.batch_size, self.dp_rank, self.dp_degree = batch_size, dp_rank, dp_degree
         self._n_words, self.samples, self.pin_memory = n_words, samples, pin_memory
@@ -76,15 +90,18 @@ class TokenFileLoader:
     def n_words(self) -> int:
         return self._n_words
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         round_size = self.dp_degree * self.batch_size
         if self.samples is not None and self.sequences + round_size > self.samples:
             raise StopIteration
         first = self.sequences + self.dp_rank * self.batch_size
         rows = np.empty((self.batch_size, self.window), dtype=np.int64)
+        starts = []  # each row's document starts, under a document mask
         for i in range(self.batch_size):
             f, start, _ = self.mixture.sample(first + i)
             rows[i] = f.tokens[start : start + self.window]
+            if self.eos_id is not None:  # the inputs' documents: tokens [start, start + seq_len)
+                starts.append(f.document_starts(start, start + self.window - 1, self.eos_id))
             if f.max_token_id is None:  # no stats sidecar: check this window's ids as they are read
                 high = int(rows[i].max())
                 if high >= self._n_words or int(rows[i].min()) < 0:
@@ -99,7 +116,12 @@ class TokenFileLoader:
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
-        return inputs, labels
+        if self.eos_id is None:
+            return inputs, labels
+        if self.watch is not None:
+            self.watch.see(starts, self.window - 1)
+        doc_ids = torch.from_numpy(document_ids(starts, self.window - 1))
+        return inputs, labels, doc_ids.pin_memory() if self.pin_memory else doc_ids
 
     def fingerprint(self, cfg: Training) -> dict[str, Any]:
         """What identifies this data in a checkpoint (token_fingerprint)."""
@@ -122,12 +144,21 @@ class TokenFileLoader:
 
 
 def build_token_loader(
-    cfg: Training, n_words: int, dp_rank: int, dp_degree: int, global_batch: int, pin_memory: bool = False
+    cfg: Training,
+    n_words: int,
+    dp_rank: int,
+    dp_degree: int,
+    global_batch: int,
+    pin_memory: bool = False,
+    documents: DocumentMask | None = None,
 ) -> TokenFileLoader:
     """This DP rank's training loader over token files; logs the realised mix of the run (training.steps global
-    batches of `global_batch`) and refuses a source read past its max_epochs, before any step."""
+    batches of `global_batch`) and refuses a source read past its max_epochs, before any step. `documents`: the
+    model masks by document (its batches carry document ids; files that record no boundary are refused)."""
     mixture = open_mixture(mix_entries(cfg), cfg.seq_len, n_words, data_seed(cfg))
     where = "training.dataset_mix" if cfg.dataset_mix else f"training.dataset_path {cfg.dataset_path}"
+    if documents is not None:
+        check_boundaries_recorded(mixture, documents.flavor, where)
     run_samples = cfg.steps * global_batch
     mixture.check_epochs(run_samples, where)
     unchecked = [f.path for s in mixture.sources for f in s.files if f.max_token_id is None]
@@ -140,22 +171,41 @@ def build_token_loader(
         f"Data mix over the run ({cfg.steps} steps x {global_batch} sequences of {cfg.seq_len + 1} "
         f"tokens, seed {data_seed(cfg)}):\n{mixture.format_table(run_samples)}"
     )
+    watch = None
+    if documents is not None:
+        watch = BoundaryWatch(documents.flavor, where, boundaries_line(mixture, documents.eos_id), documents.eos_id)
+    eos_id = documents.eos_id if documents is not None else None
     return TokenFileLoader(
-        mixture, cfg.local_batch_size, n_words, dp_rank, dp_degree, pin_memory=pin_memory, source=where
+        mixture,
+        cfg.local_batch_size,
+        n_words,
+        dp_rank,
+        dp_degree,
+        pin_memory=pin_memory,
+        source=where,
+        eos_id=eos_id,
+        watch=watch,
     )
 
 
 def build_token_validation_loader(
-    v: Validation, t: Training, n_words: int, dp_rank: int, dp_degree: int, pin_memory: bool = False
+    v: Validation,
+    t: Training,
+    n_words: int,
+    dp_rank: int,
+    dp_degree: int,
+    pin_memory: bool = False,
+    documents: DocumentMask | None = None,
 ) -> TokenFileLoader:
-    """This DP rank's slice of the validation set's windows in file order, once through."""
+    """This DP rank's slice of the validation set's windows in file order, once through (with document ids under a
+    document mask, as training's)."""
     assert v.dataset_path is not None
     batch, seq_len = validation_shape(v, t)
     mixture = open_mixture([(v.dataset_path, 1.0, None)], seq_len, n_words, seed=0, shuffle=False)
     samples = mixture.sources[0].n_windows  # too few for one round: the Validator's error names the set
-    return TokenFileLoader(
-        mixture, batch, n_words, dp_rank, dp_degree, samples, pin_memory, f"validation.dataset_path {v.dataset_path}"
-    )
+    where = f"validation.dataset_path {v.dataset_path}"
+    eos_id = documents.eos_id if documents is not None else None
+    return TokenFileLoader(mixture, batch, n_words, dp_rank, dp_degree, samples, pin_memory, where, eos_id)
 
 
 def _file_identity(path: str) -> str:

@@ -42,13 +42,13 @@ class ValidationResult:
 
 class Validator:
     """Runs a validation: `open_loader()` gives this rank's batches of the set from its start; `loss_of(inputs,
-    labels)` is the training step's forward and loss (autocast, loss parallel) returning the batch's mean loss on
-    this rank; `global_mean` averages a scalar over the data-parallel ranks (a collective)."""
+    labels[, doc_ids])` is the training step's forward and loss (autocast, loss parallel) returning the batch's mean
+    loss on this rank; `global_mean` averages a scalar over the data-parallel ranks (a collective)."""
 
     def __init__(
         self,
         open_loader: Callable[[], DataLoader | TokenFileLoader],
-        loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_of: Callable[..., torch.Tensor],
         global_mean: Callable[[torch.Tensor], float],
         steps: int,
         device: torch.device,
@@ -67,12 +67,10 @@ class Validator:
             with torch.no_grad():
                 while self.steps == -1 or batches < self.steps:
                     try:
-                        inputs, labels = next(loader)
+                        batch = next(loader)  # (inputs, labels), and doc_ids of token files under a document mask
                     except StopIteration:  # the set ended (an incomplete last round is dropped on every rank)
                         break
-                    inputs = inputs.to(self.device, non_blocking=True)
-                    labels = labels.to(self.device, non_blocking=True)
-                    total += self.loss_of(inputs, labels)
+                    total += self.loss_of(*(t.to(self.device, non_blocking=True) for t in batch))
                     batches += 1
         finally:
             loader.close()

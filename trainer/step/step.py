@@ -41,12 +41,14 @@ from trainer.evaluation.downstream import Layout
 @dataclass
 class Batch:
     """The part of a micro-batch this rank computes: token ids and labels (bs, seq) and, under context parallelism,
-    the tokens' positions in their sequences and the loss normalizer (ContextParallel.shard_batch)."""
+    the tokens' positions in their sequences and the loss normalizer (ContextParallel.shard_batch); under a document
+    mask over token files, the tokens' document ids (trainer/data/documents.py)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
     normalizer: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,7 +102,7 @@ class TrainStep:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: LambdaLR,
-        dataloader: Iterator[tuple[torch.Tensor, torch.Tensor]],  # the batches (trainer/data/)
+        dataloader: Iterator[tuple[torch.Tensor, ...]],  # (inputs, labels[, doc_ids]) batches (trainer/data/)
         dims: ParallelDims,
         grad_accum_steps: int,
         loss_fn: LossFn,
@@ -140,10 +142,10 @@ class TrainStep:
         data_time = 0.0
         for _ in range(self.grad_accum_steps):
             t0 = time.perf_counter()
-            inputs, labels = next(self.dataloader)
-            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            # A token-file batch of a document-masked run adds its tokens' document ids: docs = [doc_ids].
+            inputs, labels, *docs = (t.to(self.device, non_blocking=True) for t in next(self.dataloader))
             data_time += time.perf_counter() - t0
-            loss_sum += self.forward_backward(inputs, labels)
+            loss_sum += self.forward_backward(inputs, labels, *docs)
         loss = loss_sum / self.grad_accum_steps
         for w in self.wrappers:
             loss = w.gradients_ready(loss)
@@ -165,11 +167,13 @@ class TrainStep:
 
     # ------------------------------------------------------------------ the forward, for training and evaluation
 
-    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
-        """What this rank computes of a micro-batch its data-parallel rank reads: all of it, or under context
-        parallelism its part of every sequence, the tokens' positions and the loss normalizer."""
+    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None) -> Batch:
+        """What this rank computes of a micro-batch its data-parallel rank reads: all of it (with its document ids,
+        when its data records them), or under context parallelism its part of every sequence, the tokens' positions
+        and the loss normalizer (document masks are refused with CP: kiln_base/config/checks.py)."""
         if self.cp is None:
-            return Batch(inputs, labels)
+            return Batch(inputs, labels, doc_ids=doc_ids)
+        assert doc_ids is None, "document masks with context parallelism are refused at config time"
         return Batch(*self.cp.shard_batch(inputs, labels))
 
     def loss_context(self) -> contextlib.AbstractContextManager:
@@ -180,28 +184,32 @@ class TrainStep:
         """The one forward: the model on this rank's part of the batch under the compute precision, then `reduce`
         (the loss, or each row's log-likelihood) on its logits. The caller holds loss_context()."""
         with self.amp:
-            logits = self.model(batch.inputs, positions=batch.positions)
+            logits = self.model(batch.inputs, positions=batch.positions, doc_ids=batch.doc_ids)
         return reduce(logits, batch)
 
     def _loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return self.loss_fn(logits, batch.labels, batch.normalizer)
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward and fp32 cross-entropy of one micro-batch (under context parallelism, of this rank's part)."""
-        return self.forward(self.local_batch(inputs, labels), self._loss)
+        return self.forward(self.local_batch(inputs, labels, doc_ids), self._loss)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
         with self.loss_context():
-            loss = self.forward_loss(inputs, labels)
+            loss = self.forward_loss(inputs, labels, doc_ids)
             (loss / self.grad_accum_steps).backward()
         return _whole(loss).detach()
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Validation (the caller holds torch.no_grad): the batch's mean loss over this rank's tokens, as training
         computes it, without backward."""
         with self.loss_context():
-            return _whole(self.forward_loss(inputs, labels))
+            return _whole(self.forward_loss(inputs, labels, doc_ids))
 
     def log_likelihood(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Downstream evaluation (the caller holds torch.no_grad): per row, the summed log-likelihood of the labels
@@ -251,15 +259,17 @@ class PipelineStep(TrainStep):
         assert self.pipeline is not None, "a PipelineStep runs the plan's pipeline"
         self.norm_group = self.dims.pp_mesh.get_group()  # each rank holds some stages: their norms combine
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        batch = self.local_batch(inputs, labels)
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b = self.local_batch(inputs, labels, doc_ids)
         with self.amp, self.loss_context():
-            return self.pipeline.step(batch.inputs, batch.labels, self.grad_accum_steps, batch.positions)
+            return self.pipeline.step(b.inputs, b.labels, self.grad_accum_steps, b.positions, b.doc_ids)
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        batch = self.local_batch(inputs, labels)
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b = self.local_batch(inputs, labels, doc_ids)
         with self.amp, self.loss_context():
-            return self.pipeline.evaluate(batch.inputs, batch.labels, batch.positions)
+            return self.pipeline.evaluate(b.inputs, b.labels, b.positions, b.doc_ids)
 
     def _rows(self, batch: Batch) -> torch.Tensor:
         with self.amp:
