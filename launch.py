@@ -244,6 +244,9 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     cfg = train.check_config(args, world_size=nodes.nnodes * nproc, local_ranks=nproc)  # every node: the whole world
     if cfg is None:
         return USER_ERROR
+    if cfg.job.dry_run:  # planned here, once: the ranks would each plan the same; NGPU or NNODES set: that world
+        named = bool(os.environ.get("NGPU")) or nodes.nnodes > 1
+        return train.print_dry_run(cfg, nodes.nnodes * nproc if named else None)
     if nodes.nnodes > 1:
         where = "" if nodes.node_rank is None else f"node {nodes.node_rank} of "
         print(

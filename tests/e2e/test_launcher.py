@@ -248,6 +248,16 @@ def test_launcher_precheck_catches_exactly_the_pre_mistakes(
     assert (needle in err) == pre, err
 
 
+def test_dry_run_plans_ngpu_ranks_and_refuses_what_the_run_refuses_in_its_line(tmp_path: Path) -> None:
+    """NGPU=2 with TP 3: the dry run plans the 2 ranks the launcher would start and ends in the launcher's line
+    (before: it simulated 3 ranks and printed a plan the run refuses)."""
+    args = tiny_run_args("--parallelism.tensor_parallel_degree", "3")
+    run = run_train(*args, cwd=tmp_path, ngpu=2)
+    dry = run_train(*args, "--job.dry_run", cwd=tmp_path, ngpu=2)
+    assert_one_line_error(dry, "tensor_parallel_degree = 3 does not divide the world size 2")
+    assert dry.stderr == run.stderr and dry.stdout == "", dry.stdout[-2000:]
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
