@@ -70,6 +70,7 @@ MISTAKES = [
         "does not divide the world size",
         True,
     ),
+    ("no_steps", ["--training.no-steps"], "training.steps is not a boolean flag", True),
     ("global_batch", ["--training.global_batch_size", "3"], "training.global_batch_size (3) must be a multiple", True),
     (
         "tp_seq_len",
