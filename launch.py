@@ -67,7 +67,8 @@ DEFAULT_CONFIG = os.path.join(KILN_DIR, "train_configs", "debug_model.toml")
 
 class QuietAfterRankLine:
     """Wraps sys.stderr: passes everything through until a rank has written its line (a user error, a non-finite
-    stop) to `error_file`, then drops what follows (torchrun's report of the failure would bury the one line that matters).
+    stop) to `error_file`, then drops what follows (torchrun's report of the failure would bury the one line that
+    matters).
 
     A rank writes the file before it exits, and torchrun reports only after a rank has exited, so the report
     always comes after the file is non-empty; output written before the error passes live.

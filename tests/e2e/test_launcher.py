@@ -280,7 +280,8 @@ def test_non_finite_stop_ends_in_kilns_line_and_exit_1(ngpu: int, tmp_path: Path
     one line, printed once by the launcher, as a user error does; before, torchrun's ChildFailedError traceback
     followed it."""
     args = tiny_run_args("--optimizer.lr", "1e20", "--training.skip_nonfinite_steps", "2", "--model.n_layers", "1")
-    proc = run_train(*args, "--training.steps", "6", "--job.dump_folder", str(tmp_path / "out"), cwd=tmp_path, ngpu=ngpu)
+    args += ["--training.steps", "6", "--job.dump_folder", str(tmp_path / "out")]
+    proc = run_train(*args, cwd=tmp_path, ngpu=ngpu)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert lines[-1].startswith("kiln: error: non-finite loss or grad norm at 2 consecutive steps"), proc.stderr[-3000:]
