@@ -26,7 +26,10 @@ Every user mistake ends with exit status 2 and one line `kiln: error: ...` on st
 - what only a rank can find (a checkpoint of another model, a dataset too small for one sequence) the rank
   appends as one line to KILN_ERROR_FILE before it exits 2 (kiln_base.errors.report); torchrun then fails, and
   this launcher prints that line in place of torchrun's report (a log line per failed rank and a ChildFailedError
-  traceback). Any other failure keeps torchrun's output and exit status.
+  traceback). A non-finite loss or grad norm (exit 1, NonFiniteError) ends the same way, with its status.
+
+Lost ranks end in the launcher's own line, exit 75. Any other failure (a crash) keeps torchrun's output and exit
+status.
 
 A SIGTERM or Ctrl-C ends with each rank's one line (what it saved) and the shell's status for the signal (143,
 130), without torchrun's traceback of its own signal.
@@ -62,9 +65,10 @@ KILN_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(KILN_DIR, "train_configs", "debug_model.toml")
 
 
-class QuietAfterUserError:
-    """Wraps sys.stderr: passes everything through until a rank has written a user error to `error_file`, then
-    drops what follows (torchrun's report of the failure would bury the one line that matters).
+class QuietAfterRankLine:
+    """Wraps sys.stderr: passes everything through until a rank has written its line (a user error, a non-finite
+    stop) to `error_file`, then drops what follows (torchrun's report of the failure would bury the one line that
+    matters).
 
     A rank writes the file before it exits, and torchrun reports only after a rank has exited, so the report
     always comes after the file is non-empty; output written before the error passes live.
@@ -214,7 +218,7 @@ def main(argv: list[str]) -> int:
     os.environ[LOST_FILE_ENV] = lost_file  # what the ranks that found others gone lost (kiln_base/errors.py)
     real_stderr = sys.stderr
     # Before torch is imported: its log handler and torchrun's rank-output tee capture sys.stderr as it is then.
-    sys.stderr = QuietAfterUserError(real_stderr, error_file)
+    sys.stderr = QuietAfterRankLine(real_stderr, error_file)
     try:
         return _launch(argv, error_file, real_stderr)
     finally:
@@ -244,6 +248,9 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     cfg = train.check_config(args, world_size=nodes.nnodes * nproc, local_ranks=nproc)  # every node: the whole world
     if cfg is None:
         return USER_ERROR
+    if cfg.job.dry_run:  # planned here, once: the ranks would each plan the same; NGPU or NNODES set: that world
+        named = bool(os.environ.get("NGPU")) or nodes.nnodes > 1
+        return train.print_dry_run(cfg, nodes.nnodes * nproc if named else None)
     if nodes.nnodes > 1:
         where = "" if nodes.node_rank is None else f"node {nodes.node_rank} of "
         print(
@@ -302,7 +309,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     except ChildFailedError as e:
         reported = failure_report(e, error_file, os.environ[LOST_FILE_ENV], max_restarts, real_stderr)
         if reported is None:
-            raise  # not a user mistake nor a lost rank: torchrun's report and exit status, unchanged
+            raise  # no kiln line, no lost rank (a crash): torchrun's report and exit status, unchanged
         return reported
     except RendezvousConnectionError:
         if nodes.node_rank == 0:  # node 0 keeps the rendezvous (Nodes.torchrun_args): it could not listen there
@@ -343,7 +350,7 @@ def forked_rank(argv: list[str]) -> int:
     rank's (torchrun counts a return as success, a SystemExit's code as the failure's)."""
     import train
 
-    sys.stderr = sys.__stderr__  # not the launcher's QuietAfterUserError
+    sys.stderr = sys.__stderr__  # not the launcher's QuietAfterRankLine
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # live lines, as `python -u` gives
     # torchrun had installed its handlers in this process before forking; a fresh interpreter has these.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -357,15 +364,16 @@ def forked_rank(argv: list[str]) -> int:
 
 def failure_report(e: Any, error_file: str, lost_file: str, max_restarts: int, stream: TextIO) -> int | None:
     """For torchrun's ChildFailedError `e`: print one line and return the exit status, or None to keep torchrun's
-    report. A user mistake (a rank wrote its line to `error_file`): that line, 2. Ranks lost, after the restarts
+    report. A user mistake or a non-finite stop (a rank wrote "<status> <line>" to `error_file`): that line, that
+    status (2, 1). Ranks lost, after the restarts
     are spent: one line naming them, 75. torchrun's first failure in time tells which: a rank of this node killed
     by a signal is the rank that died (torchrun stopped the others after it); a rank that found others gone (exit
     PEER_LOST) lost ranks elsewhere, which the first such rank wrote to `lost_file`."""
     with open(error_file) as f:
-        first = f.readline().strip()
+        status, _, first = f.readline().strip().partition(" ")
     if first:
         print(first, file=stream)
-        return USER_ERROR
+        return int(status)
     rank, root = e.get_first_failure()  # the first failure in time: the rank that died or saw the loss
     if root.exitcode < 0:
         node = os.environ.get("KILN_NODE_RANK")

@@ -82,6 +82,19 @@ def check_model(cfg: JobConfig, tokenizer_words: int, world_size: int, local_ran
         build.check_fits(cfg, plan, local_ranks, torch.device("cpu"))
 
 
+def print_dry_run(cfg: JobConfig, world_size: int | None = None) -> int:
+    """--job.dry_run: print the plan for `world_size` ranks (None: the degrees' product), exit 0; or the line of
+    the rule it breaks, which is the launcher's (the same run_plan), exit 2. The launcher and `python train.py`."""
+    from kiln_base.errors import DONE, UserError, report
+    from trainer.tools.dry_run import dry_run
+
+    try:
+        print(dry_run(cfg, world_size))
+    except UserError as e:
+        return report(e)
+    return DONE
+
+
 def exit_now(status: int) -> NoReturn:
     """End the process with `status` once kiln is done: flush the logs and streams, then skip the interpreter's
     teardown of torch's modules (0.5-1 s per process; ~2.5 s of a 4-rank run on 2 CPU cores). Whatever kiln
@@ -161,10 +174,7 @@ def _run(argv: list[str] | None, started: list) -> int:
             print(to_toml(cfg))
             return DONE
         if cfg.job.dry_run:
-            from trainer.tools.dry_run import dry_run
-
-            print(dry_run(cfg))
-            return DONE
+            return print_dry_run(cfg)
         check_inputs(cfg)
         from trainer.trainer import Trainer  # heavy imports only once the config is known to be good
 

@@ -93,8 +93,9 @@ def say(line: str) -> None:
     os.write(fd, (line + "\n").encode())
 
 
-# Under run_train.sh a rank appends its user error here and the launcher prints it once for all ranks: printed by
-# the rank, it would reach the user inside torchrun's multi-line failure report.
+# Under run_train.sh a rank appends its user error or non-finite stop here as "<status> <line>", and the launcher
+# prints the first line once for all ranks and exits with its status: printed by the rank, it would reach the user
+# inside torchrun's multi-line failure report.
 ERROR_FILE_ENV = "KILN_ERROR_FILE"
 # ... and a rank that found others gone appends what it lost here: the launcher's last line names them even when
 # torchrun stopped the ranks it shows (LOG_RANK) before they printed.
@@ -102,12 +103,12 @@ LOST_FILE_ENV = "KILN_LOST_FILE"
 
 
 def report(e: KilnExit) -> int:
-    """Print `e`'s line and return its exit status. A user error under run_train.sh goes to the launcher's error
-    file instead (one write), which the launcher prints in place of torchrun's report."""
+    """Print `e`'s line and return its exit status. A user error or a non-finite stop under run_train.sh goes to
+    the launcher's error file instead (one write), which the launcher prints in place of torchrun's report."""
     path = os.environ.get(ERROR_FILE_ENV)
-    if isinstance(e, UserError) and path:
+    if isinstance(e, (UserError, NonFiniteError)) and path:
         with open(path, "a") as f:
-            f.write(e.line() + "\n")
+            f.write(f"{e.status} {e.line()}\n")
     else:
         say(e.line())
     lost_file = os.environ.get(LOST_FILE_ENV)

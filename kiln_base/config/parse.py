@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
 
 try:
     import tomllib
@@ -130,10 +131,25 @@ def _apply_cli(cfg: JobConfig, items: list[tuple[str, str, Any]]) -> None:
             key = key[3:]
         if val is None:
             obj, tp = lookup(cfg, section, key, where)
+            if tp is not bool and negated:  # --s.no-k names a boolean's false; k takes a value instead
+                raise ConfigError(
+                    f"--{section}.no-{key}: {section}.{key} is not a boolean flag (only booleans have a --no- form); "
+                    f"it takes {_takes(obj, key, tp)}: --{section}.{key} VALUE"
+                )
             if tp is not bool:
                 raise ConfigError(f"--{section}.{key}: needs a value")
             val = not negated
         set_value(cfg, section, key, val, f"--{section}.{key}")
+
+
+def _takes(obj: Any, key: str, tp: Any) -> str:
+    """What a non-boolean key takes, for a message: 'an integer >= 1', 'a string', 'a list'."""
+    valid = next(f.metadata.get("valid") for f in fields(obj) if f.name == key)
+    kinds = {int: "an integer", float: "a number", str: "a string"}
+    kind = next((v for t, v in kinds.items() if tp is t or t in typing.get_args(tp)), "a value")
+    if typing.get_origin(tp) is list or list in typing.get_args(tp):
+        kind = "a list"
+    return f"{kind} {valid.describe()}" if valid is not None else kind
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:

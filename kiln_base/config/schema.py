@@ -271,7 +271,7 @@ class Training:
         "0 = a non-finite loss or grad norm stops the run (exit 1). N > 0: a step whose loss or grad norm is "
         "non-finite on any rank is skipped on every rank (no optimizer, no LR-scheduler step; its batch is not "
         "trained on) and logged; N consecutive skipped steps stop the run as 0 does. Needs optimizer.implementation "
-        "fused (docs/observability.md).",
+        "fused (docs/debugging.md).",
         valid=AT_LEAST_0,
     )
     memory_budget_gib: float | None = _f(

@@ -70,6 +70,7 @@ MISTAKES = [
         "does not divide the world size",
         True,
     ),
+    ("no_steps", ["--training.no-steps"], "training.steps is not a boolean flag", True),
     ("global_batch", ["--training.global_batch_size", "3"], "training.global_batch_size (3) must be a multiple", True),
     (
         "tp_seq_len",
@@ -248,6 +249,16 @@ def test_launcher_precheck_catches_exactly_the_pre_mistakes(
     assert (needle in err) == pre, err
 
 
+def test_dry_run_plans_ngpu_ranks_and_refuses_what_the_run_refuses_in_its_line(tmp_path: Path) -> None:
+    """NGPU=2 with TP 3: the dry run plans the 2 ranks the launcher would start and ends in the launcher's line
+    (before: it simulated 3 ranks and printed a plan the run refuses)."""
+    args = tiny_run_args("--parallelism.tensor_parallel_degree", "3")
+    run = run_train(*args, cwd=tmp_path, ngpu=2)
+    dry = run_train(*args, "--job.dry_run", cwd=tmp_path, ngpu=2)
+    assert_one_line_error(dry, "tensor_parallel_degree = 3 does not divide the world size 2")
+    assert dry.stderr == run.stderr and dry.stdout == "", dry.stdout[-2000:]
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
@@ -262,13 +273,20 @@ def test_launcher_environment_mistakes(env: dict[str, str], needle: str, tmp_pat
     assert_one_line_error(proc, needle)
 
 
-@pytest.mark.slow  # starts torchrun and a rank
-def test_failure_that_is_no_user_mistake_keeps_torchruns_report(tmp_path: Path) -> None:
-    """A diverging run (NonFiniteError, exit 1 in the rank) is not a user mistake: torchrun's report and exit 1."""
-    args = tiny_run_args("--optimizer.lr", "1e30", "--training.steps", "5", "--job.dump_folder", str(tmp_path))
-    proc = run_train(*args, cwd=tmp_path)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "ChildFailedError" in proc.stderr and "kiln: error: non-finite" in proc.stderr, proc.stderr[-3000:]
+@pytest.mark.slow  # starts torchrun and its ranks
+@pytest.mark.parametrize("ngpu", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_non_finite_stop_ends_in_kilns_line_and_exit_1(ngpu: int, tmp_path: Path) -> None:
+    """The skip's own documented stop (N consecutive non-finite steps, NonFiniteError, exit 1) ends in the rank's
+    one line, printed once by the launcher, as a user error does; before, torchrun's ChildFailedError traceback
+    followed it."""
+    args = tiny_run_args("--optimizer.lr", "1e20", "--training.skip_nonfinite_steps", "2", "--model.n_layers", "1")
+    args += ["--training.steps", "6", "--job.dump_folder", str(tmp_path / "out")]
+    proc = run_train(*args, cwd=tmp_path, ngpu=ngpu)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines[-1].startswith("kiln: error: non-finite loss or grad norm at 2 consecutive steps"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+    assert sum("non-finite loss or grad norm at" in line for line in lines) == 1, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -78,6 +78,12 @@ BAD_INPUTS = [
     (["--training.local_batch_size", "0"], "training.local_batch_size must be >= 1, got 0"),
     (["--activation_checkpoint.selective_ac_option", "x"], "selective_ac_option must be 'op' or a positive"),
     (["--training.seq_len"], "--training.seq_len: needs a value"),
+    (
+        ["--training.no-steps"],
+        "--training.no-steps: training.steps is not a boolean flag (only booleans have a --no- form); it takes an "
+        "integer >= 1: --training.steps VALUE",
+    ),
+    (["--optimizer.no_lr"], "optimizer.lr is not a boolean flag (only booleans have a --no- form); it takes a number"),
     (["training.steps"], "unexpected argument 'training.steps'"),
 ]
 

@@ -150,3 +150,31 @@ def test_width_overrides_with_from_checkpoint_may_only_repeat_the_stored_shape()
         ConfigError, match=r"^model.n_kv_heads 4 differs from ckpt's 16 \(model.flavor from_checkpoint\)"
     ):
         model_args(Model(flavor=FROM_CHECKPOINT, n_kv_heads=4), 64, 2256, source)
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (4, ["--model.n_kv_heads", "2", "--parallelism.tensor_parallel_degree", "4"]),  # TP over 2 KV heads
+        (2, ["--parallelism.tensor_parallel_degree", "3"]),  # TP does not divide NGPU
+        (2, ["--parallelism.data_parallel_shard_degree", "3"]),  # the degrees do not make the world
+        (4, ["--model.n_layers", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # more stages than blocks
+        (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"]),  # CP chunks vs seq_len
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"]),  # sequence parallel vs seq
+        (2, ["--training.global_batch_size", "3"]),  # the batch does not divide over the data-parallel ranks
+        (2, ["--parallelism.context_parallel_degree", "2", "--model.flavor", "debugmodel_flex_attn"]),  # CP x mask
+    ],
+)
+def test_dry_run_refuses_what_the_launcher_refuses_in_its_line(
+    world: int, layout: list[str], capfd: pytest.CaptureFixture
+) -> None:
+    """The dry run plans through the launcher's function (trainer/build.py run_plan), so a layout the launcher
+    refuses for `world` ranks the dry run refuses for that world in the same line (the dry run used plan_run
+    without the device rules: it planned TP 4 over 2 KV heads)."""
+    argv = ["--job.config_file", DEBUG_CONFIG, *layout]
+    assert train.check_config(argv, world_size=world, local_ranks=world) is None
+    launcher = capfd.readouterr().err.strip().splitlines()
+    assert train.print_dry_run(parse_args([*argv, "--job.dry_run"]), world) == 2
+    dry = capfd.readouterr().err.strip().splitlines()
+    assert len(launcher) == 1 and launcher[0].startswith("kiln: error: "), launcher
+    assert dry == launcher, (dry, launcher)

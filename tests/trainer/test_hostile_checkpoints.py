@@ -368,6 +368,17 @@ HF_CONFIGS = {
         'rope_parameters.factor = "x": not a number',
     ),
     "num_hidden_layers 10**6": ({"num_hidden_layers": 10**6}, "needs at least"),
+    **{
+        f"rope_theta {theta}": (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta},
+            f"config.json: model rope_theta must be a finite number > 0, got {theta}",
+        )
+        for theta in (math.inf, math.nan)
+    },
+    "rope_theta negative": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}, "rope_theta": -1.0},
+        "config.json: rope_theta = -1.0: not a positive number",
+    ),
 }
 
 
@@ -420,6 +431,19 @@ def test_a_safetensors_header_larger_than_the_model_is_refused_before_reading(
     save_file(weights, str(folder / "model.safetensors"))
     err = convert_refused(capsys, "from_hf", str(folder), str(tmp_path / "ckpt"))
     assert "weight 'model.norm.weight' has shape (1000000,), but the model of config.json has (64,)" in err, err
+
+
+def test_a_weight_stored_as_integers_is_refused(hf_folder: Path, tmp_path: Path, capsys) -> None:
+    """An int64 norm weight of the right shape was copied into the float weights without a word."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _hf_copy(hf_folder, tmp_path)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.norm.weight"] = torch.ones(64, dtype=torch.int64)
+    save_file(weights, str(folder / "model.safetensors"))
+    err = convert_refused(capsys, "from_hf", str(folder), str(tmp_path / "ckpt"))
+    assert f"{folder / 'model.safetensors'}: weight 'model.norm.weight' is stored as I64; a model weight must" in err
+    assert not (tmp_path / "ckpt").exists(), err
 
 
 def test_a_damaged_safetensors_file_is_named(hf_folder: Path, tmp_path: Path, capsys) -> None:

@@ -430,6 +430,9 @@ def kiln_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return out | {"output.weight": (args.vocab_size, args.dim)}
 
 
+HF_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
+
+
 def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
     """(kiln name, tensor in kiln's layout) for every weight of an HF folder, one file open at a time. Each
     weight's stored shape is checked against config.json's model before the weight is read (a file's header can
@@ -457,6 +460,12 @@ def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.T
                 if stored != shapes[kiln]:
                     raise ConfigError(
                         f"{path}: weight '{key}' has shape {stored}, but the model of {CONFIG} has {shapes[kiln]}"
+                    )
+                dtype = f.get_slice(key).get_dtype()
+                if dtype not in HF_FLOAT_DTYPES:  # copied into float weights, an int64 norm would load silently
+                    raise ConfigError(
+                        f"{path}: weight '{key}' is stored as {dtype}; a model weight must be a float "
+                        f"({', '.join(HF_FLOAT_DTYPES)})"
                     )
                 yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
 

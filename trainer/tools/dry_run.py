@@ -3,9 +3,15 @@
 No weights are allocated and nothing is communicated: the world is simulated with torch's fake process
 group, so an 8B/70B/405B plan for any mesh prints on a laptop CPU in seconds.
 
-Simulated world size = dp_replicate x max(dp_shard, 1) x cp x tp: `data_parallel_shard_degree = -1` ("the
+Simulated world size = pp x dp_replicate x max(dp_shard, 1) x cp x tp: `data_parallel_shard_degree = -1` ("the
 rest") counts as 1, so a TP-only config plans a single TP group; pass an explicit
-`--parallelism.data_parallel_shard_degree N` to plan FSDP over N shards as well.
+`--parallelism.data_parallel_shard_degree N` to plan FSDP over N shards as well. Under run_train.sh with NGPU (or
+several nodes) set, the world is the one the launcher would start, NNODES x NGPU.
+
+The plan is checked by the function the launcher and every rank check theirs with (trainer/build.py run_plan: the
+degrees against the world, the batch, the sequence split, the TP degree against the heads, the pipeline split),
+for a CUDA run: what the launcher refuses, the dry run refuses in the same line. Only the files the run reads and
+the memory fit are left to the run (the dry run plans for files that may be elsewhere and prints its estimate).
 
 It runs the same code as training: float8/'s converter (its per-Linear decisions give the reasons) and
 parallelize_llama (whose returned TP plan gives the styles; each module's weight layout is read back from its
@@ -30,7 +36,6 @@ from kiln_base.config import (
     Parallelism,
     RunPlan,
     memory_estimate,
-    plan_run,
     resolve_mixed_precision,
     training_bytes,
 )
@@ -38,7 +43,7 @@ from kiln_base.internals import init_fake_process_group, unwrapped_fqn
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import StagedModel
-from trainer.build import build_model, flops_line, local_params, model_args
+from trainer.build import build_model, flops_line, local_params, model_args, run_plan
 from trainer.checkpoint.initial_load import open_source
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -102,11 +107,12 @@ def _init_fake_world(world_size: int) -> None:
     init_fake_process_group(world_size)
 
 
-def dry_run(cfg: JobConfig) -> str:
-    """Build on meta under a simulated world, apply `convert` and `parallelize`, return the printed plan."""
+def dry_run(cfg: JobConfig, world_size: int | None = None) -> str:
+    """Build on meta under a simulated world (`world_size` ranks, else the degrees' product), apply float8 and the
+    parallel plan, return the printed plan; ConfigError where the launcher would refuse the run."""
     t0 = time.perf_counter()
     p, t, ac, f8 = cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.float8
-    world = simulated_world_size(p)
+    world = world_size or simulated_world_size(p)
     _init_fake_world(world)
     try:
         vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
@@ -114,7 +120,7 @@ def dry_run(cfg: JobConfig) -> str:
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
         args = model_args(cfg.model, t.seq_len, vocab, source)
-        run = plan_run(cfg, world, args.shape())  # the ranks' plan, for the simulated world
+        run = run_plan(cfg, args, world, "cuda")  # the launcher's and the ranks' plan and rules, for a GPU run
         dims = ParallelDims.of(run.degrees)
         dims.build_mesh("cpu")
         pipeline = run.pipeline
