@@ -95,7 +95,7 @@ def identified(ft: FaultTolerance, pg_class: type) -> tuple[str, type]:
     should_commit in the main thread; the earlier group's step fails, and it trains on without the later one."""
     started = time.time_ns()
 
-    class Identified(pg_class):  # type: ignore[misc, valid-type]
+    class Identified(pg_class):
         def configure(
             self,
             store_addr: str,
