@@ -428,6 +428,12 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
         ),
         (("--fault_tolerance.group_size", "0"), {}, "fault_tolerance.group_size must be the number of replica groups"),
         (
+            ("--fault_tolerance.group_size", str(2**62)),
+            {},
+            f"fault_tolerance.group_size must be in [0, 4096] (replica groups; each reads 1/group_size of every global "
+            f"batch), got {2**62}",
+        ),
+        (
             ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.should_quantize"),
             {},
             "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
@@ -445,7 +451,16 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
         (("--parallelism.data_parallel_replicate_degree", "2"), {}, "the replica groups are the replicate dimension"),
         ((), {"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
     ],
-    ids=["replica_id", "group_size", "diloco_quantize", "pp", "cp", "dp_replicate", "no_lighthouse_env"],
+    ids=[
+        "replica_id",
+        "group_size",
+        "group_size_huge",
+        "diloco_quantize",
+        "pp",
+        "cp",
+        "dp_replicate",
+        "no_lighthouse_env",
+    ],
 )
 def test_mistakes_are_one_line_before_any_rank(
     extra: tuple[str, ...], env: dict[str, str], needle: str, tmp_path: Path
