@@ -176,7 +176,8 @@ class ValidationHook(StepHook):
 class DownstreamEvalHook(StepHook):
     """eval.enable: lm-eval multiple-choice accuracy of the weights after the optimizer step of step 1, every
     eval.freq-th step and the last step (trainer/evaluation/downstream.py). Its own log line on the logging rank
-    and kiln/eval/<task>/acc, acc_norm and kiln/eval_seconds on the dashboards; its time is left out of tokens/s."""
+    and kiln/eval/<task>/<metric> (those lm-eval reports: acc, acc_norm) and kiln/eval_seconds on the dashboards;
+    its time is left out of tokens/s."""
 
     def __init__(self, downstream: DownstreamEval, freq: int, metrics: MetricsLogger) -> None:
         self.downstream, self.freq, self.metrics = downstream, freq, metrics
@@ -190,9 +191,9 @@ class DownstreamEvalHook(StepHook):
             logger.info(result.line(out.step))
         writer = self.metrics.writer
         if writer is not None:
-            for task, scores in result.scores.items():
-                for metric in ("acc", "acc_norm"):
-                    writer.add_scalar(f"kiln/eval/{task}/{metric}", scores[metric], out.step)
+            for task in result.scores:
+                for metric, value in result.metrics(task).items():
+                    writer.add_scalar(f"kiln/eval/{task}/{metric}", value, out.step)
             writer.add_scalar("kiln/eval_seconds", result.seconds, out.step)
             writer.flush()
         self.metrics.discount(time.perf_counter() - t0)

@@ -68,6 +68,7 @@ AT_LEAST_1 = Range(lo=1)  # counts, sizes, frequencies
 AT_LEAST_0 = Range(lo=0)
 POSITIVE = Range(lo=0, lo_open=True)  # floats: > 0 and finite
 FRACTION = Range(lo=0, hi=1)
+MAX_REPLICA_GROUPS = 4096  # far above TorchFT jobs' (tens to hundreds); 2**62 read samples for ever
 TIMEOUT = Range(lo=1, hi=10**9, note="seconds")  # 10**9 s (31 years): far inside timedelta's and c10d's limits
 
 
@@ -623,7 +624,10 @@ class FaultTolerance:
     )
     replica_id: int = _f(0, "This replica group's index, in [0, group_size).", valid=AT_LEAST_0)
     group_size: int = _f(
-        0, "The number of replica groups (each splits off its part of the global batch).", valid=AT_LEAST_0
+        0,
+        "The number of replica groups (each splits off its part of the global batch).",
+        # every step's global batch is group_size x the group's batch: the loaders read it whole (text: each window)
+        valid=Range(lo=0, hi=MAX_REPLICA_GROUPS, note="replica groups; each reads 1/group_size of every global batch"),
     )
     min_replica_size: int = _f(1, "Live replica groups a step needs to commit.", valid=AT_LEAST_1)
     semi_sync_method: str | None = _f(

@@ -7,12 +7,14 @@ is not multiple choice, before the first step.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.common import ROOT, tiny_run_args
+from tests.helpers.eval_tasks import cloze_variant
 from tests.helpers.kiln_process import assert_one_line_error, run_kiln
 
 pytestmark = pytest.mark.slow
@@ -64,3 +66,23 @@ def test_a_task_that_is_not_multiple_choice(tmp_path: Path, ngpu: int) -> None:
     )
     line, _ = _run(tmp_path, ngpu, "--eval.tasks", "kiln_gen", "--eval.include_path", str(folder))
     assert "eval.tasks: task 'kiln_gen' is generate_until; kiln scores multiple_choice tasks only" in line, line
+
+
+@pytest.mark.parametrize("ngpu", NGPU)
+def test_a_task_that_reports_acc_only_is_scored(tmp_path: Path, ngpu: int) -> None:
+    """A task whose metric_list asks for acc alone (lm-eval's MMLU template): its evaluations log acc, and the run
+    ends as any other (it stopped with KeyError: 'acc_norm,none' at the first evaluation)."""
+    folder = cloze_variant(tmp_path / "tasks", metrics=("acc",))
+    args = tiny_run_args(*EVAL, "--job.dump_folder", str(tmp_path / "out"))
+    args += ["--eval.tasks", "kiln_variant", "--eval.include_path", str(folder)]
+    proc = run_kiln(args, ngpu=ngpu, cwd=tmp_path)
+    assert proc.returncode == 0, proc.output[-3000:]
+    lines = [line for line in proc.output.splitlines() if "eval step:" in line]
+    assert len(lines) == 2 and all(re.search(r"kiln_variant: acc \d\.\d{4}  \(n=4\)  time:", x) for x in lines), lines
+
+
+@pytest.mark.parametrize("ngpu", NGPU)
+def test_a_task_document_without_choices(tmp_path: Path, ngpu: int) -> None:
+    folder = cloze_variant(tmp_path / "tasks", empty_choices_at=2)
+    line, _ = _run(tmp_path, ngpu, "--eval.tasks", "kiln_variant", "--eval.include_path", str(folder))
+    assert "eval.tasks: task 'kiln_variant' document 2 cannot be scored (no choices" in line, line

@@ -350,6 +350,33 @@ def test_a_group_started_with_other_diloco_settings_is_refused_where_it_heals(tm
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_a_second_group_with_a_taken_replica_id_is_refused_and_the_first_trains_on(tmp_path: Path) -> None:
+    """Two groups started with replica_id 0 (a copied launch line): they would train as one job, both reading group
+    0's samples and nobody group 1's. The later one stops at its first quorum with one line naming the key and the
+    free id (exit 2); the first, which met it there, trains on alone."""
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(lighthouse(min_replicas=1))
+        env = {"TORCHFT_LIGHTHOUSE": address}
+        run = ("--training.steps", "100000", "--job.dump_folder", str(tmp_path / "out"))
+        kw = dict(ngpu=1, threads=1, env=env, cwd=tmp_path, merge_stderr=True, new_session=True)
+        first = stack.enter_context(KilnRun(start_kiln(ft_args(0, *run), **kw), timeout=TIMEOUT_S))
+        first.wait_for(r"step:\s+2\s")
+        second = stack.enter_context(KilnRun(start_kiln(ft_args(0, *run), **kw), timeout=TIMEOUT_S))
+        assert second.finish() == 2, second.text[-4000:]
+        first.wait_for(r"step \d+: 1 of 2 replica groups live")  # after the refused group, alone again
+        _, line = first.wait_for(r"\[rank0\]:.* step:\s+\d+ ")
+    errors = [line for line in second.text.splitlines() if "kiln: error:" in line]
+    assert errors == [
+        "kiln: error: fault_tolerance.replica_id = 0 is taken: a replica group started before this one with the same "
+        "id is live in the quorum (every group of a job needs its own id in [0, group_size) = [0, 2); live: 0); "
+        "start this group with a free id (1)"
+    ], second.text[-4000:]
+    assert "Traceback" not in second.text and "step:" not in second.text
+    assert "kiln: error" not in first.text and "Traceback" not in first.text, first.text[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_lighthouse_gone_mid_run_is_one_line_after_the_quorum_timeout(tmp_path: Path) -> None:
     """The lighthouse (torchft_lighthouse, its own process) killed while a group trains: the group's next quorum
     times out after comm.init_timeout_seconds and it stops with one line, exit 75 (lost), its checkpoint kept; not
@@ -401,6 +428,12 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
         ),
         (("--fault_tolerance.group_size", "0"), {}, "fault_tolerance.group_size must be the number of replica groups"),
         (
+            ("--fault_tolerance.group_size", str(2**62)),
+            {},
+            f"fault_tolerance.group_size must be in [0, 4096] (replica groups; each reads 1/group_size of every global "
+            f"batch), got {2**62}",
+        ),
+        (
             ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.should_quantize"),
             {},
             "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
@@ -418,7 +451,16 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
         (("--parallelism.data_parallel_replicate_degree", "2"), {}, "the replica groups are the replicate dimension"),
         ((), {"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
     ],
-    ids=["replica_id", "group_size", "diloco_quantize", "pp", "cp", "dp_replicate", "no_lighthouse_env"],
+    ids=[
+        "replica_id",
+        "group_size",
+        "group_size_huge",
+        "diloco_quantize",
+        "pp",
+        "cp",
+        "dp_replicate",
+        "no_lighthouse_env",
+    ],
 )
 def test_mistakes_are_one_line_before_any_rank(
     extra: tuple[str, ...], env: dict[str, str], needle: str, tmp_path: Path

@@ -56,8 +56,8 @@ def reseal(step: Path) -> None:
     if not marker.is_file():
         return
     saved = json.loads(marker.read_text())
-    sums = saved.get("checksums", {})
-    saved["checksums"] = {name: file_checksum(str(step / name)) for name in sums if (step / name).is_file()}
+    names = set(saved.get("checksums", {})) | {p.name for p in step.iterdir() if p.name.endswith(".distcp")}
+    saved["checksums"] = {name: file_checksum(str(step / name)) for name in sorted(names) if (step / name).is_file()}
     marker.write_text(json.dumps(saved))
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,67 @@ def test_a_flipped_bit_is_one_line_naming_the_file_and_old_checkpoints_load_unve
         f"Checkpoint {old / 'checkpoint' / 'step-2'} records no checksums (saved by an older kiln or another tool): "
         "unverified"
     ]
+
+
+def _copy(good: Path, dump: Path) -> Path:
+    step = dump / "checkpoint" / "step-2"
+    shutil.copytree(good, step)
+    return step
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_record_that_exists_but_cannot_be_read_is_refused_naming_it(
+    tmp_path: Path, small_model: None, capsys: pytest.CaptureFixture
+) -> None:
+    """A kiln.json cut in half (or not an object, or its checksums not a map) is damage, not an older kiln's record:
+    refused when resuming (as checkpoint.initial_load_path it was already: kiln reads the model shape there)."""
+    train_tiny(tmp_path / "good", *CKPT, "--training.steps", "2")
+    good = tmp_path / "good" / "checkpoint" / "step-2"
+    text = (good / "kiln.json").read_text()
+    for name, record in [("cut", text[: len(text) // 2]), ("list", "[]"), ("sums", '{"checksums": [1]}')]:
+        step = _copy(good, tmp_path / name)
+        (step / "kiln.json").write_text(record)
+        code, err = _resume(tmp_path / name, capsys)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith(f"kiln: error: checkpoint record {step / 'kiln.json'} "), err
+
+
+def test_a_file_without_a_checksum_is_refused_whatever_the_record_lists(
+    tmp_path: Path, small_model: None, capsys: pytest.CaptureFixture
+) -> None:
+    """A flipped bit beside a deleted checksum entry, or an emptied checksum map: the files a load reads are those
+    in the folder, each must have a checksum."""
+    train_tiny(tmp_path / "good", *CKPT, "--training.steps", "2")
+    good = tmp_path / "good" / "checkpoint" / "step-2"
+    for name in ("deleted", "empty"):
+        step = _copy(good, tmp_path / name)
+        flip_bit(step / "__0_0.distcp", (step / "__0_0.distcp").stat().st_size // 2)
+        saved = json.loads((step / "kiln.json").read_text())
+        saved["checksums"] = {} if name == "empty" else {".metadata": saved["checksums"][".metadata"]}
+        (step / "kiln.json").write_text(json.dumps(saved))
+        code, err = _resume(tmp_path / name, capsys)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        missing = ".metadata" if name == "empty" else "__0_0.distcp"
+        assert err.startswith(f"kiln: error: checkpoint file {step / missing} has no checksum in "), err
+
+
+def test_the_checksum_covers_every_chunk(
+    tmp_path: Path, small_model: None, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checksum is computed in pieces (_CHUNK, 8 MiB): with 4 KiB pieces (the tiny checkpoint's files span
+    many), the whole file's CRC-32, and a bit flipped past the first piece is found."""
+    monkeypatch.setattr(checkpoint_checksums, "_CHUNK", 4096)
+    train_tiny(tmp_path / "good", *CKPT, "--training.steps", "2")
+    good = tmp_path / "good" / "checkpoint" / "step-2"
+    shard = good / "__0_0.distcp"
+    assert shard.stat().st_size > 3 * 4096
+    assert file_checksum(str(shard)) == f"crc32:{zlib.crc32(shard.read_bytes()):08x}"
+    step = _copy(good, tmp_path / "flipped")
+    flip_bit(step / "__0_0.distcp", shard.stat().st_size - 5)  # in the last piece
+    code, err = _resume(tmp_path / "flipped", capsys)
+    assert code == 2 and err.startswith(f"kiln: error: checkpoint file {step / '__0_0.distcp'} is damaged"), err

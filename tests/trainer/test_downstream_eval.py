@@ -21,10 +21,11 @@ import torch
 from kiln_base.config import Eval
 from kiln_base.errors import ConfigError
 from tests.helpers.common import ROOT, kiln_log_lines, open_trainer, tiny_run_args
+from tests.helpers.eval_tasks import cloze_variant
 from tests.helpers.kiln_process import assert_one_line_error, run_kiln
 from tests.helpers.run_files import tensorboard_scalars
 from tests.helpers.scripts import load_script
-from trainer.evaluation.downstream import IGNORE, load_tasks, padded_length
+from trainer.evaluation.downstream import IGNORE, load_tasks, padded_length, reported_metrics
 
 TASK_DIR = ROOT / "assets" / "eval" / "kiln_cloze"
 MAKE_EVAL_TASK = ROOT / "scripts" / "make_eval_task.py"
@@ -214,6 +215,24 @@ def test_a_task_whose_data_does_not_load_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"eval.tasks: task '.*broken.yaml' does not load \("):
         load_tasks(Eval(enable=True, tasks=[str(path)], include_path=[]))
+
+
+def test_a_document_without_choices_is_one_line_naming_the_task_and_document(tmp_path: Path) -> None:
+    folder = cloze_variant(tmp_path / "t", empty_choices_at=3)
+    with pytest.raises(ConfigError) as e:
+        load_tasks(Eval(enable=True, tasks=["kiln_variant"], include_path=[str(folder)], limit=8))
+    assert str(e.value).startswith(
+        "eval.tasks: task 'kiln_variant' document 3 cannot be scored (no choices (doc_to_choice gave []))"
+    ), e.value
+    load_tasks(Eval(enable=True, tasks=["kiln_variant"], include_path=[str(folder)], limit=3))  # documents 0-2
+
+
+def test_the_metrics_are_those_lm_eval_reports() -> None:
+    """lm-eval's results of one task: whatever metrics its metric_list asks for, no stderr, no alias."""
+    mmlu = {"alias": "mmlu_x", "acc,none": 0.25, "acc_stderr,none": "N/A"}
+    assert reported_metrics(mmlu) == {"acc": 0.25}
+    both = {"acc,none": 0.5, "acc_stderr,none": 0.1, "acc_norm,none": 0.75, "mcc,none": 0.0, "acc,strict": 1}
+    assert reported_metrics(both) == {"acc": 0.5, "acc_norm": 0.75, "mcc": 0.0, "acc,strict": 1.0}
 
 
 def test_eval_time_is_left_out_of_tokens_per_second() -> None:

@@ -13,8 +13,11 @@ what it is for: damage, not an attacker (who could rewrite kiln.json as well).
 
 Loading: verify() checks the files of the checkpoint about to be loaded against kiln.json before any record is
 read, each rank a share of them (file i on rank i mod world), and every rank raises the first mismatch: one line
-naming the file. A checkpoint without checksums (saved by an older kiln, torchtitan, or converted) loads with one
-line saying it is unverified.
+naming the file. The checks cover the whole checkpoint, not only what its record lists: every file a load reads
+(`.metadata` and each `.distcp`) must have a checksum (an entry deleted, or an emptied map, beside a damaged file is
+refused), and a kiln.json that exists but cannot be read (cut in half, not JSON, its checksums not a map) is damage,
+refused naming it. Only a checkpoint with no kiln.json, or one whose kiln.json records no checksums at all (saved by
+an older kiln, torchtitan, or converted), loads, with one line saying it is unverified.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import json
 import logging
 import os
 import zlib
-from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -34,6 +36,7 @@ from torch.futures import Future
 
 from kiln_base.errors import CheckpointError
 from kiln_base.files import FileRefused, MiB, loads_json, read_bounded, require_regular, write_atomic
+from trainer.checkpoint.folder import MARKER, MARKER_LIMIT
 
 logger = logging.getLogger("kiln")
 
@@ -43,7 +46,7 @@ _CHUNK = 8 * MiB
 
 
 def file_checksum(path: str) -> str:
-    """`crc32:<8 hex digits>` of the file's bytes, read in 8 MiB pieces."""
+    """`crc32:<8 hex digits>` of the file's bytes, read in 8 MiB pieces (_CHUNK)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -76,14 +79,46 @@ def collect(folder: str) -> dict[str, str]:
     return sums
 
 
-def verify(path: str, marker: Any) -> None:
-    """Check checkpoint `path`'s files against the checksums its kiln.json `marker` recorded, each rank its share;
-    every rank raises the first mismatch (rank order) as a CheckpointError naming the file. A marker that records
-    none: one warning, and nothing checked."""
-    sums = marker.get("checksums") if isinstance(marker, Mapping) else None
-    if not isinstance(sums, dict):
+def recorded_checksums(path: str) -> dict[str, Any] | None:
+    """The checksums checkpoint `path`'s kiln.json records: None when it has no kiln.json or its kiln.json no
+    "checksums" (saved before kiln recorded them, or by another tool); a kiln.json that exists but cannot be read, or
+    whose checksums are not a map, is damage: CheckpointError naming it."""
+    marker = os.path.join(path, MARKER)
+    try:
+        saved = loads_json(read_bounded(marker, MARKER_LIMIT, "a kiln.json"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint record {marker} exists but cannot be read ({e}): a damaged or cut copy; not loaded: copy "
+            "the checkpoint again from a good copy, or resume from another checkpoint (checkpoint.load_step)"
+        ) from None
+    sums = saved.get("checksums") if isinstance(saved, dict) else None
+    if not isinstance(saved, dict) or (sums is not None and not isinstance(sums, dict)):
+        raise CheckpointError(
+            f"checkpoint record {marker} is damaged: {'its checksums are' if isinstance(saved, dict) else 'it is'} "
+            "not a JSON object; not loaded: copy the checkpoint again from a good copy, or resume from another "
+            "checkpoint (checkpoint.load_step)"
+        )
+    return sums
+
+
+def verify(path: str) -> None:
+    """Check checkpoint `path`'s files against the checksums its kiln.json records, each rank its share; every rank
+    raises the first mismatch (rank order), or a file a load reads that has no checksum, as a CheckpointError naming
+    the file. A checkpoint that records none: one warning, and nothing checked."""
+    sums = recorded_checksums(path)
+    if sums is None:
         logger.warning(f"Checkpoint {path} records no checksums (saved by an older kiln or another tool): unverified")
         return
+    # Every file a load reads, whatever the record lists: a deleted entry must not hide a damaged file.
+    unlisted = sorted(n for n in os.listdir(path) if (n == METADATA or n.endswith(".distcp")) and n not in sums)
+    if unlisted:
+        raise CheckpointError(  # every rank lists the same folder: all raise the same, no collective to agree on
+            f"checkpoint file {os.path.join(path, unlisted[0])} has no checksum in {os.path.join(path, MARKER)} "
+            "(every file a load reads must have one: the record was edited or cut); not loaded: copy the checkpoint "
+            "again from a good copy, or resume from another checkpoint (checkpoint.load_step)"
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     error = None

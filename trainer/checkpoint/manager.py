@@ -440,7 +440,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
-        verify(path, entry.marker())  # a damaged file: CheckpointError naming it, on every rank
+        verify(path)  # a damaged file or record: CheckpointError naming it, on every rank
         load(sd, path, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]

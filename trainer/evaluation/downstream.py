@@ -2,9 +2,10 @@
 
 lm-evaluation-harness (`lm-eval`, the `eval` extra) owns the tasks: its TaskManager reads the task files (YAML +
 local data), `evaluator.evaluate` builds the requests (one per context and choice), and its task code turns the
-log-likelihoods into acc and acc_norm. kiln is the language model behind lm-eval's interface (`KilnLM`, a
-`TemplateLM`: lm-eval's own tokenization of context and continuation, over kiln's tokenizer), so the numbers are
-those lm-eval reports for any other model (docs/evaluation.md says why, and checks it against lm-eval's HF backend).
+log-likelihoods into the metrics the task's file asks for (acc and acc_norm, or acc alone as MMLU's), which kiln
+logs as lm-eval reports them. kiln is the language model behind lm-eval's interface (`KilnLM`, a `TemplateLM`:
+lm-eval's own tokenization of context and continuation, over kiln's tokenizer), so the numbers are those lm-eval
+reports for any other model (docs/evaluation.md says why, and checks it against lm-eval's HF backend).
 
 Scoring (`KilnLM._loglikelihood_tokens`): each request is context + continuation tokens, the last token dropped
 (lm-eval's HF backend does the same, left-truncated to the model's context); the label of every position that
@@ -43,7 +44,6 @@ logger = logging.getLogger("kiln")
 
 IGNORE = -100  # cross_entropy's ignore_index: positions that predict no continuation token
 MULTIPLE_CHOICE = "multiple_choice"
-METRICS = ("acc", "acc_norm")
 
 # score(inputs, labels) -> (rows,) summed log-likelihood of the labels that are not IGNORE, on every rank of the replica
 Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -106,8 +106,40 @@ def load_tasks(cfg: Eval) -> dict[str, Any]:
                     f"eval.tasks: task '{name}' is {task.OUTPUT_TYPE}; kiln scores multiple_choice tasks only "
                     "(log-likelihood of each choice)"
                 )
+            _check_documents(name, task, None if cfg.limit == -1 else cfg.limit)
             tasks[name] = task
     return tasks
+
+
+def _check_documents(name: str, task: Any, limit: int | None) -> None:
+    """Every document the evaluation will read through lm-eval's own steps (its text, choices and target, its
+    requests, its metrics on placeholder log-likelihoods), so that a bad one is one line naming the task and the
+    document now, not lm-eval's traceback at the first evaluation."""
+    for doc_id, doc in task.doc_iterator(limit=limit):
+        try:
+            requests = task.construct_requests(doc=doc, ctx=task.doc_to_text(doc), metadata=(name, doc_id, 1))
+            if not requests:
+                raise ValueError(f"no choices (doc_to_choice gave {task.doc_to_choice(doc)!r})")
+            task.process_results(doc, [(0.0, False)] * len(requests))
+        except Exception as e:  # whatever lm-eval or the task's template raises: name the document and say what
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"eval.tasks: task '{name}' document {doc_id} cannot be scored ({first}); fix that document of the "
+                "task's data or its template (a multiple-choice document needs a text, at least one choice and a "
+                "target)"
+            ) from None
+
+
+def reported_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """The metrics lm-eval reports for one task (`{"acc,none": 0.5, "acc_stderr,none": "N/A", "alias": ...}`), by
+    name: whatever the task's metric_list asks for (acc and acc_norm, or acc alone), read from lm-eval's output,
+    never assumed; a filter other than lm-eval's "none" keeps its name (acc,strict)."""
+    out = {}
+    for key, value in results.items():
+        metric, _, filtered = key.partition(",")
+        if filtered and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+            out[metric if filtered == "none" else key] = float(value)
+    return out
 
 
 def padded_length(longest: int, max_len: int, quantum: int, shapes: str) -> int:
@@ -225,17 +257,21 @@ def _lm_class() -> type:
 
 @dataclass(frozen=True)
 class EvalResult:
-    scores: dict[str, dict[str, float]]  # task -> {"acc": ..., "acc_norm": ..., "examples": n}
+    scores: dict[str, dict[str, float]]  # task -> {"acc": ..., "acc_norm": ... (what lm-eval reports), "examples": n}
     seconds: float
     requests: int  # (context, choice) pairs scored
     tokens: int  # tokens forwarded by this data-parallel rank (without padding)
 
     def line(self, step: int) -> str:
         tasks = "  ".join(
-            f"{name}: acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  (n={int(s['examples'])})"
+            f"{name}: " + "".join(f"{m} {v:.4f}  " for m, v in self.metrics(name).items()) + f"(n={int(s['examples'])})"
             for name, s in self.scores.items()
         )
         return f"eval step: {step:2}  {tasks}  time: {self.seconds:.1f}s"
+
+    def metrics(self, task: str) -> dict[str, float]:
+        """The task's metrics as lm-eval reported them (without the example count)."""
+        return {m: v for m, v in self.scores[task].items() if m != "examples"}
 
 
 class DownstreamEval:
@@ -273,7 +309,7 @@ class DownstreamEval:
         for name in self.tasks:
             r = out["results"][name]
             examples = float(out["n-samples"][name]["effective"])
-            scores[name] = {m: float(r[f"{m},none"]) for m in METRICS} | {"examples": examples}
+            scores[name] = reported_metrics(r) | {"examples": examples}
         self.samples = out.get("samples") or {}
         result = EvalResult(
             scores, time.perf_counter() - t0, self.lm.requests_scored - requests0, self.lm.tokens_scored - tokens0

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -36,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from kiln_base.config import FaultTolerance
-from kiln_base.errors import ConfigError
+from kiln_base.errors import ConfigError, UserError
 from trainer.checkpoint.resume import TrainState
 from trainer.step.step import StepWrapper
 
@@ -70,6 +71,48 @@ def shared_settings(ft: FaultTolerance, fragments: tuple[tuple[str, ...], ...] |
         for name in ("fragment_sync_delay", "fragment_update_alpha", "should_quantize"):
             settings[f"{key}{name}"] = getattr(ft, name)
     return settings
+
+
+def identified(ft: FaultTolerance, pg_class: type) -> tuple[str, type]:
+    """This group's name in the quorum and its process-group class, which refuses a replica_id another live group
+    holds (two groups started with one id would read the same samples and skip another group's, as one job).
+
+    torchft appends a random uuid to the name, so its lighthouse never sees two groups as one; the name's own
+    trailing digits are the replica_id (torchft's global ranks: replica_id x group world size + rank). The name
+    begins with the time this group started, and the quorum lists its members sorted by name, so at every new quorum
+    (torchft reconfigures the process group with its members' global ranks, this group's at `rank`) a group finds
+    whether one that started before it holds its id. Only the later one stops: the error is recorded by torchft's
+    Manager (this group joins no collective of the quorum: nothing of it is committed anywhere) and raised by
+    should_commit in the main thread; the earlier group's step fails, and it trains on without the later one."""
+    started = time.time_ns()
+
+    class Identified(pg_class):
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+            if not global_ranks or not group_world_size or global_ranks[rank] not in global_ranks[:rank]:
+                return
+            live = sorted({g // group_world_size for g in global_ranks})
+            free = [i for i in range(ft.group_size) if i not in live]
+            raise ConfigError(
+                f"fault_tolerance.replica_id = {ft.replica_id} is taken: a replica group started before this one "
+                f"with the same id is live in the quorum (every group of a job needs its own id in [0, group_size) "
+                f"= [0, {ft.group_size}); live: {', '.join(map(str, live))}); start this group with a free id"
+                + (f" ({', '.join(map(str, free))})" if free else "")
+            )
+
+    return f"kiln_ft_t{started:020d}_{ft.replica_id}", Identified
 
 
 def _why(error: Any) -> str:
@@ -139,7 +182,8 @@ class ReplicaGroup(StepWrapper):
             ) from None
         if ft.process_group == "nccl" and not torch.cuda.is_available():
             raise ConfigError('fault_tolerance.process_group = "nccl" needs CUDA GPUs; on a CPU use "gloo"')
-        pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
+        name, pg_class = identified(ft, ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)
+        pg = pg_class(timeout=timeout)
         return Manager(
             pg=pg,
             min_replica_size=ft.min_replica_size,
@@ -149,7 +193,7 @@ class ReplicaGroup(StepWrapper):
             timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
             connect_timeout=timeout,
-            replica_id=f"kiln_ft_{ft.replica_id}",
+            replica_id=name,
             init_sync=init_sync,
         )
 
@@ -308,7 +352,11 @@ class ReplicaGroup(StepWrapper):
 
     def may_update(self, step: int) -> bool:
         """Whether every live group completed this step (the optimizer may step); logs a step that is dropped.
-        Semi-synchronous, a group's own step always is (a sync that fails is not applied: torchft's LocalSGD)."""
+        Semi-synchronous, a group's own step always is (a sync that fails is not applied: torchft's LocalSGD). A
+        user mistake found at the last quorum (`identified`) is raised here."""
+        error = self.manager.errored()
+        if error is not None and isinstance(error.original_exception, UserError):
+            raise error.original_exception
         if not self.synchronous:
             return True
         self.committed = self.manager.should_commit()
