@@ -95,7 +95,7 @@ def synthetic_pair(prefix: Path, tokens: int, documents: int, vocab: int, seed: 
         for start in range(0, tokens, 1 << 26):
             f.write(rng.integers(0, vocab, size=min(1 << 26, tokens - start), dtype=np.uint16).tobytes())
     write_index(f"{prefix}.idx", np.dtype(np.uint16), lengths)
-    write_stats(f"{prefix}.bin", vocab - 1, tokens)
+    write_stats(f"{prefix}.bin", min_id=0, max_id=vocab - 1, tokens=tokens)
 
 
 def read_rate(seq_len: int, batch: int, prefix: Path) -> float:

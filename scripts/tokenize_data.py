@@ -15,10 +15,10 @@ The input is cut into shards (line-aligned byte ranges of --shard-mb of a .jsonl
 .parquet file; 100,000 rows of a HF dataset), tokenized by min(--workers, shards to do) processes into the
 scratch folder OUTPUT_PREFIX.shards/, each shard's .bin/.idx renamed into place when complete. A re-run (after
 Ctrl-C, a crash or a killed worker) keeps the finished shards and does the rest; the shards are concatenated into
-OUTPUT_PREFIX.bin/.idx at the end, with the largest token id recorded in OUTPUT_PREFIX.bin.kiln.json (checked
-against the vocabulary at start of every run), and the files the script wrote in the scratch folder removed, then
-the folder. A record that is not a JSON object with a string text field stops it with one line naming the file
-and record (exit 2).
+OUTPUT_PREFIX.bin/.idx at the end, with the smallest and largest token id recorded in OUTPUT_PREFIX.bin.kiln.json
+(checked against the vocabulary at start of every run), and the files the script wrote in the scratch folder
+removed, then the folder. A record that is not a JSON object with a string text field stops it with one line
+naming the file and record (exit 2).
 
 The scratch folder is the script's only if it holds the marker (kiln-tokenize-scratch.json) it wrote when it made
 it: a folder of that name without it (the input itself, say) is refused, never written to or deleted. An output
@@ -52,10 +52,11 @@ from kiln_base.errors import ConfigError, DataError, KilnExit, UserError, say  #
 from trainer.components.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from trainer.data.sources import record_problem  # noqa: E402
 from trainer.data.token_files import (  # noqa: E402
-    max_token_id,
+    SIDECAR,
     open_token_file,
     read_index,
     token_dtype,
+    token_id_range,
     write_index,
     write_stats,
 )
@@ -212,19 +213,20 @@ def tokenize_shard(job: tuple[int, Shard, str, str, str]) -> tuple[int, int, int
     assert _TOKENIZER is not None
     dtype = token_dtype(_TOKENIZER.n_words)
     prefix = os.path.join(work, f"{n:06d}")
-    lengths, high = [], -1
+    lengths, low, high = [], None, -1
     try:
         with open(prefix + ".bin.tmp", "wb") as out:
             for text in _records(shard, text_key, split):
                 ids = np.array(_TOKENIZER.encode(text, bos=True, eos=True), dtype=dtype)
                 out.write(ids.tobytes())
                 lengths.append(len(ids))
+                low = int(ids.min()) if low is None else min(low, int(ids.min()))
                 high = max(high, int(ids.max()))
     except UserError as e:
         return n, 0, 0, -1, e.line()
     write_index(prefix + ".idx.tmp", dtype, np.array(lengths, dtype=np.int32))
     with open(prefix + ".json", "w") as f:
-        json.dump({"max_token_id": high}, f)
+        json.dump({"min_token_id": low, "max_token_id": high}, f)
     os.replace(prefix + ".bin.tmp", prefix + ".bin")
     os.replace(prefix + ".idx.tmp", prefix + ".idx")  # last: a shard is done when its .idx exists
     return n, len(lengths), int(sum(lengths)), high, None
@@ -232,7 +234,7 @@ def tokenize_shard(job: tuple[int, Shard, str, str, str]) -> tuple[int, int, int
 
 def merge(work: str, n_shards: int, output: str, dtype: np.dtype) -> tuple[int, int, int]:
     """Concatenate the shards into output.bin/.idx (+ the stats sidecar); (documents, tokens, largest id)."""
-    lengths, high = [], -1
+    lengths, lows, high = [], [], -1
     with open(output + ".bin.tmp", "wb") as out:
         for n in range(n_shards):
             prefix = os.path.join(work, f"{n:06d}")
@@ -241,11 +243,14 @@ def merge(work: str, n_shards: int, output: str, dtype: np.dtype) -> tuple[int, 
             with open(prefix + ".bin", "rb") as src:
                 shutil.copyfileobj(src, out, 1 << 24)
             with open(prefix + ".json") as f:
-                high = max(high, int(json.load(f)["max_token_id"]))
+                shard = json.load(f)
+            high = max(high, int(shard["max_token_id"]))
+            # A shard an older kiln finished records no smallest id; a tokenizer's ids are never below 0.
+            lows.append(0 if shard.get("min_token_id") is None else int(shard["min_token_id"]))
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
     write_index(output + ".idx", dtype, all_lengths)
     os.replace(output + ".bin.tmp", output + ".bin")
-    write_stats(output + ".bin", high, int(all_lengths.sum()))
+    write_stats(output + ".bin", min_id=min(lows, default=0), max_id=high, tokens=int(all_lengths.sum()))
     return len(all_lengths), int(all_lengths.sum()), high
 
 
@@ -394,12 +399,14 @@ def tokenize(
 
 
 def stats(path: str) -> None:
-    """The sidecar of a token file made elsewhere: its largest id, read in chunks."""
+    """The sidecar of a token file made elsewhere: its smallest and largest id, read in chunks."""
+    if os.path.isfile(path + SIDECAR):
+        os.remove(path + SIDECAR)  # the one being replaced is not believed while the file is opened
     tf = open_token_file(path, n_words=1)
     t0 = time.perf_counter()
-    high = max_token_id(tf.tokens)
-    write_stats(path, high, tf.n_tokens)
-    print(f"wrote {path}.kiln.json: {tf.n_tokens:,} tokens, largest id {high} ({time.perf_counter() - t0:.1f} s)")
+    low, high = token_id_range(tf.tokens)
+    write_stats(path, min_id=low, max_id=high, tokens=tf.n_tokens)
+    print(f"wrote {path}.kiln.json: {tf.n_tokens:,} tokens, ids {low} to {high} ({time.perf_counter() - t0:.1f} s)")
 
 
 def make_folder(output: str) -> None:
@@ -425,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-key", default="text", help="the field holding each record's text")
     p.add_argument("--shard-mb", type=float, default=16.0, help="MB of a .jsonl/.txt file per shard")
     p.add_argument("--split", default="train", help="the split of a Hugging Face dataset")
-    p.add_argument("--stats", metavar="FILE", help="write FILE.kiln.json (largest id) for a token file and exit")
+    p.add_argument(
+        "--stats", metavar="FILE", help="write FILE.kiln.json (smallest and largest id) for a token file and exit"
+    )
     a = p.parse_args(argv)
     try:
         if a.stats:

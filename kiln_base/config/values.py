@@ -118,6 +118,10 @@ def lookup(cfg: JobConfig, section: str, key: str, where: str) -> tuple[Any, Any
 def set_value(cfg: JobConfig, section: str, key: str, raw: Any, where: str, toml: bool = False) -> None:
     """Convert `raw` to section.key's type, check its choices, set it."""
     obj, tp = lookup(cfg, section, key, where)
+    one_str = tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
+    if key.endswith("_path") and one_str and isinstance(raw, str) and not raw.strip():
+        # convert() reads "" as unset: for a path that is an unset variable ($DATA), never a wish for the default
+        raise ConfigError(f"{where} is empty: give a file or folder, or none to leave it unset")
     value = convert(raw, tp, where, toml)
     choices = next(f.metadata.get("choices") for f in fields(obj) if f.name == key)
     check_choice(value, choices, where, optional=type(None) in typing.get_args(tp))

@@ -118,7 +118,7 @@ def _pair(folder: Path, dtype: type = np.uint16, stats: bool = True) -> Path:
     tokens.tofile(folder / "d.bin")
     write_index(str(folder / "d.idx"), np.dtype(dtype), np.array([len(d) for d in docs]))
     if stats:
-        write_stats(str(folder / "d.bin"), int(tokens.max()), len(tokens))
+        write_stats(str(folder / "d.bin"), min_id=int(tokens.min()), max_id=int(tokens.max()), tokens=len(tokens))
     return folder / "d"
 
 
@@ -135,7 +135,12 @@ BAD_FILES = {
     ),
     "dtype_too_small": (lambda d: np.save(d / "d.npy", np.arange(300, dtype=np.uint8)), "its dtype uint8 holds ids"),
     "id_outside_vocabulary": (
-        lambda d: write_stats(str(_pair(d).with_suffix(".bin")), TOKENIZER.n_words + 7, 1),
+        lambda d: write_stats(
+            str(_pair(d, stats=False).with_suffix(".bin")),
+            min_id=0,
+            max_id=TOKENIZER.n_words + 7,
+            tokens=(d / "d.bin").stat().st_size // 2,
+        ),
         f"holds token id {TOKENIZER.n_words + 7}, outside the tokenizer's vocabulary",
     ),
 }

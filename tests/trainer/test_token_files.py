@@ -42,7 +42,7 @@ def write_megatron(prefix: Path, docs: list[list[int]], dtype: type = np.uint16,
     tokens.tofile(f"{prefix}.bin")
     write_index(f"{prefix}.idx", np.dtype(dtype), np.array([len(d) for d in docs]))
     if stats:
-        write_stats(f"{prefix}.bin", int(tokens.max()), len(tokens))
+        write_stats(f"{prefix}.bin", min_id=int(tokens.min()), max_id=int(tokens.max()), tokens=len(tokens))
     return Path(f"{prefix}.bin")
 
 
@@ -82,8 +82,14 @@ BAD = {
     "no header": ("no MMIDIDX header", lambda p: _overwrite(p / "d.idx", 0, b"XXXX")),
     "pointers disagree": ("pointers disagree", lambda p: _overwrite(p / "d.idx", 34 + 4 * 50 + 8, b"\x07")),
     "stale stats": ("the file changed", lambda p: _replace_bin_same_index(p)),
-    "id past vocabulary": (f"token id {V + 5}, outside", lambda p: write_stats(str(p / "d.bin"), V + 5, 1)),
+    "id past vocabulary": (f"token id {V + 5}, outside", lambda p: _stats_of(p / "d.bin", 0, V + 5)),
+    "negative id": ("token id -3, outside", lambda p: _stats_of(p / "d.bin", -3, V - 1)),
 }
+
+
+def _stats_of(path: Path, min_id: int, max_id: int) -> None:
+    """A sidecar claiming [min_id, max_id] (wider than the file's ids: consistent with what it holds)."""
+    write_stats(str(path), min_id=min_id, max_id=max_id, tokens=path.stat().st_size // 2)
 
 
 def _cut(path: Path, n: int) -> None:

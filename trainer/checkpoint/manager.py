@@ -228,6 +228,15 @@ def check_matches(
             f"{where} holds per-rank data-loader positions (saved before kiln's global sample order); "
             "its data position cannot be resumed"
         )
+    # The text path's position has an epoch (and shard, record, buffer); token files' is one sample number.
+    text_saved, text_here = f"{DATALOADER}.epoch" in saved, f"{DATALOADER}.epoch" in flat
+    if text_saved != text_here:
+        was, now = ("text data", "token files") if text_saved else ("token files", "text data")
+        raise CheckpointError(
+            f"{where} was saved training on {was} and this run trains on {now}: switching a run between text data "
+            f"and token files is not supported on resume; start a new checkpoint.folder (with "
+            f"checkpoint.initial_load_path {path} to start from its weights)"
+        )
     missing = [k for k in flat if k not in saved]
     if missing or extra:
         what = f"has no '{missing[0]}'" if missing else f"has '{extra[0]}', which this run lacks"

@@ -21,13 +21,18 @@ starts at its saved sample number under any layout.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from kiln_base.errors import DataError
-from trainer.data.token_files import TokenFile, open_token_file, token_file_paths
+from kiln_base.errors import ConfigError, DataError
+from trainer.data.token_files import (
+    TokenFile,
+    open_token_file,
+    source_identity,
+    source_names,
+    token_file_paths,
+)
 
 BLOCK = 4096  # samples per mixing block: the mix is exact to one sample per source at every multiple of it
 
@@ -73,8 +78,7 @@ class Mixture:
                 files = ", ".join(f.path for f in s.files)
                 raise DataError(f"{files}: fewer than seq_len + 1 = {s.window} tokens, not one training sequence")
         self.sources, self.seed, self.shuffle = sources, seed, shuffle
-        total = sum(s.weight for s in sources)
-        self.weights = np.array([s.weight / total for s in sources], dtype=np.float64)
+        self.weights = normalised([s.weight for s in sources])
         self.heaviest = int(np.argmax(self.weights))
         self._block: tuple[int, np.ndarray, np.ndarray] | None = None  # (block, source of each, number within)
 
@@ -154,23 +158,30 @@ class Mixture:
         return "\n".join(rows)
 
 
-def source_name(path: str) -> str:
-    """A source as logs and the checkpoint fingerprint name it: its file or folder name (moving it keeps it)."""
-    base = os.path.basename(os.path.normpath(path))
-    return base[: -len(".idx")] if base.endswith((".idx", ".bin")) else base
+def normalised(weights: list[float]) -> np.ndarray:
+    """Weights as shares summing to 1. Divided by the largest first: any positive finite weights are valid, and
+    the sum of two near the float maximum (1e308 + 1e308) is inf, which would make every share 0."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.max()
+    return w / w.sum()
 
 
 def open_mixture(
     paths: list[tuple[str, float, float | None]], seq_len: int, n_words: int, seed: int, shuffle: bool = True
 ) -> Mixture:
     """The mixture of (path, weight, max_epochs) sources, each path a token file, Megatron prefix or folder of
-    them; every file opened and checked (token_files.open_token_file) before any step."""
+    them; every file opened and checked (token_files.open_token_file) before any step. A source given twice (by
+    any of its names: `d/web` and `d/web.bin` are one) is a ConfigError naming both entries."""
+    seen: dict[str, int] = {}
+    for i, (path, _, _) in enumerate(paths):
+        j = seen.setdefault(source_identity(path), i)
+        if j != i:
+            raise ConfigError(
+                f"training.dataset_mix[{i}].path: {path} is the source of training.dataset_mix[{j}] "
+                f"({paths[j][0]}) again; give each source once, with the sum of the weights"
+            )
     sources = []
-    for path, weight, max_epochs in paths:
+    for (path, weight, max_epochs), name in zip(paths, source_names([p for p, _, _ in paths]), strict=True):
         files = [open_token_file(f, n_words) for f in token_file_paths(path)]
-        sources.append(Source(source_name(path), files, seq_len + 1, weight, max_epochs))
-    names = [s.name for s in sources]
-    for s, entry in zip(sources, paths, strict=True):
-        if names.count(s.name) > 1:
-            s.name = entry[0]  # two sources of the same name: the full path tells them apart
+        sources.append(Source(name, files, seq_len + 1, weight, max_epochs))
     return Mixture(sources, seed, shuffle)

@@ -14,9 +14,12 @@ corpus. A flat numpy file (OLMo/Dolma) is one stream too: with an `.npy` header 
 it; without one (OLMo's raw memmaps) the dtype is uint16 when the vocabulary fits in it, else uint32 (OLMo's rule).
 
 Token ids are checked against the vocabulary before any step when a file has a stats sidecar (`<file>.kiln.json`,
-the largest id, written by the tokenize command or `scripts/tokenize_data.py --stats FILE` for files made
-elsewhere); without one, each window is checked as it is read (a max over seq_len+1 ids), and a bad id stops the
-run naming the file and position. Torch-free: the launcher checks files with it before any rank starts.
+the smallest and largest id, the token count and the file's size, written by the tokenize command or
+`scripts/tokenize_data.py --stats FILE` for files made elsewhere). The sidecar is checked against its file (size,
+token count, and the first and last 64Ki ids inside its range), so a stale or edited one is refused, not
+believed. Without a sidecar (or, for signed tokens, with one from before the smallest id was recorded), each window
+is checked as it is read (min and max over seq_len+1 ids), and a bad id stops the run naming the file and position.
+Torch-free: the launcher checks files with it before any rank starts.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count
 NPY_MAGIC = b"\x93NUMPY"
 SIDECAR = ".kiln.json"
 TOKEN_EXTENSIONS = (".bin", ".idx", ".npy")
+TEXT_EXTENSIONS = (".jsonl", ".json", ".parquet", ".txt")  # what the text path reads (trainer/data/sources.py)
+SPOT_CHECK = 1 << 16  # ids at each end of a file compared with its sidecar's range: 256 KiB of int32 at most
 
 
 def token_dtype(n_words: int) -> np.dtype:
@@ -63,8 +68,14 @@ class TokenFile:
     tokens: np.ndarray  # 1-D memmap
     documents: int | None  # from the .idx; None for numpy files
     max_token_id: int | None  # from the stats sidecar, when there is one
+    min_token_id: int | None = None  # from the stats sidecar (0 for unsigned tokens), when there is one
     # The .idx's sequence pointers and document indices (memory-mapped), where the documents are recorded.
     index: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def ids_checked(self) -> bool:
+        """Every id is known to lie in [min_token_id, max_token_id] (checked at open): windows need no check."""
+        return self.min_token_id is not None and self.max_token_id is not None
 
     @property
     def n_tokens(self) -> int:
@@ -96,12 +107,14 @@ def is_token_path(path: str) -> bool:
 def token_file_paths(path: str, strict: bool = True) -> list[str]:
     """The token data files (`.bin` or `.npy`) a path names, sorted; a folder is searched recursively."""
     if os.path.isdir(path):
-        found = sorted(
-            os.path.join(root, f)
-            for root, _, names in os.walk(path)
-            for f in names
-            if f.endswith(".npy") or (f.endswith(".idx") and not f.endswith(SIDECAR))
-        )
+        names = [os.path.join(root, f) for root, _, names in os.walk(path) for f in names]
+        found = sorted(f for f in names if f.endswith((".npy", ".idx")))
+        text = sorted(f for f in names if f.endswith(TEXT_EXTENSIONS) and not f.endswith(SIDECAR))
+        if found and text:  # one would be trained on and the other silently left out
+            raise DataError(
+                f"{path}: holds token files ({os.path.relpath(found[0], path)}, {len(found)} in all) and text files "
+                f"({os.path.relpath(text[0], path)}, {len(text)} in all); a source is one kind: move one kind out"
+            )
         files = [f[: -len(".idx")] + ".bin" if f.endswith(".idx") else f for f in found]
         if strict and not files:
             raise DataError(f"{path}: no .idx/.bin or .npy token files in this folder")
@@ -113,14 +126,44 @@ def token_file_paths(path: str, strict: bool = True) -> list[str]:
     return [path + ".bin"]  # a Megatron prefix
 
 
-def _sidecar_max(path: str, size: int) -> int | None:
+def _prefix(path: str) -> str:
+    """A source's name on disk: a Megatron pair by its prefix (`d/web`, `d/web.bin` and `d/web.idx` are one)."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path) and path.endswith((".bin", ".idx")):
+        return path[: -len(".bin")]
+    return path
+
+
+def source_identity(path: str) -> str:
+    """What a source is, whatever it is called: its resolved path (links followed), a pair by its prefix."""
+    prefix = _prefix(path)
+    return os.path.join(os.path.realpath(os.path.dirname(prefix)), os.path.basename(prefix))
+
+
+def source_names(paths: list[str]) -> list[str]:
+    """The sources as logs, metrics and the checkpoint's fingerprint name them: the shortest end of each path that
+    no other source's ends in (`train` alone; `wiki/train` and `books/train` together). Moving the data keeps them."""
+    parts = [_prefix(p).strip(os.sep).split(os.sep) for p in paths]
+    names = []
+    for i, mine in enumerate(parts):
+        k = next(
+            (k for k in range(1, len(mine)) if all(q[-k:] != mine[-k:] for j, q in enumerate(parts) if j != i)),
+            len(mine),
+        )
+        names.append("/".join(mine[-k:]))
+    return names
+
+
+def _sidecar_range(path: str, tokens: np.ndarray, size: int) -> tuple[int | None, int | None]:
     side = path + SIDECAR
     if not os.path.isfile(side):
-        return None
+        return None, None
+    rewrite = f"rewrite them with scripts/tokenize_data.py --stats {path}"
     try:
         with open(side) as f:
             stats = json.load(f)
-        max_id, recorded = int(stats["max_token_id"]), int(stats["bytes"])
+        max_id, n_tokens, recorded = int(stats["max_token_id"]), int(stats["tokens"]), int(stats["bytes"])
+        min_id = None if stats.get("min_token_id") is None else int(stats["min_token_id"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(
             f"{side}: not a kiln stats file ({e}); delete it or rewrite it with scripts/tokenize_data.py --stats {path}"
@@ -128,9 +171,22 @@ def _sidecar_max(path: str, size: int) -> int | None:
     if recorded != size:
         raise DataError(
             f"{side} describes {recorded} bytes but {path} has {size}: the file changed after its stats were "
-            f"written; rewrite them with scripts/tokenize_data.py --stats {path}"
+            f"written; {rewrite}"
         )
-    return max_id
+    if n_tokens != tokens.shape[0]:
+        raise DataError(f"{side} describes {n_tokens} tokens but {path} holds {tokens.shape[0]}: {rewrite}")
+    if tokens.dtype.kind == "u" and min_id is None:
+        min_id = 0  # a sidecar from before the smallest id was recorded: unsigned tokens cannot be below 0
+    if tokens.shape[0]:
+        # What the sidecar says must hold of the data it describes: a cheap look at both ends of the file.
+        ends = np.concatenate([tokens[:SPOT_CHECK], tokens[-SPOT_CHECK:]])
+        low, high = int(ends.min()), int(ends.max())
+        if high > max_id or (min_id is not None and low < min_id):
+            raise DataError(
+                f"{side} records ids {min_id} to {max_id}, but {path} holds {low if high <= max_id else high}: "
+                f"it does not describe this file (edited, or written for another one); {rewrite}"
+            )
+    return min_id, max_id
 
 
 def read_index(idx_path: str, bin_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
@@ -227,13 +283,20 @@ def open_token_file(path: str, n_words: int) -> TokenFile:
             f"{path}: its dtype {tokens.dtype.name} holds ids up to {np.iinfo(tokens.dtype).max}, but the "
             f"tokenizer has {n_words} words: tokenize again (uint16 up to 65,536 words, int32 above)"
         )
-    max_id = _sidecar_max(path, size)
+    min_id, max_id = _sidecar_range(path, tokens, size)
     if max_id is not None and max_id >= n_words:
         raise DataError(
             f"{path}: holds token id {max_id}, outside the tokenizer's vocabulary (0 to {n_words - 1}); "
             f"it was tokenized with another tokenizer"
         )
-    return TokenFile(path=path, tokens=tokens, documents=documents, max_token_id=max_id, index=index)
+    if min_id is not None and min_id < 0:
+        raise DataError(
+            f"{path}: holds token id {min_id}, outside the tokenizer's vocabulary (0 to {n_words - 1}); a negative "
+            "id (a padding value?) has no embedding: drop or replace those tokens"
+        )
+    return TokenFile(
+        path=path, tokens=tokens, documents=documents, min_token_id=min_id, max_token_id=max_id, index=index
+    )
 
 
 def write_index(idx_path: str, dtype: np.dtype, lengths: np.ndarray) -> None:
@@ -249,16 +312,20 @@ def write_index(idx_path: str, dtype: np.dtype, lengths: np.ndarray) -> None:
         f.write(docs.tobytes(order="C"))
 
 
-def write_stats(path: str, max_token_id: int, n_tokens: int) -> None:
-    """The sidecar that lets a run check every id against its vocabulary before any step, in no time."""
-    stats = {"max_token_id": int(max_token_id), "tokens": int(n_tokens), "bytes": os.path.getsize(path)}
+def write_stats(path: str, *, min_id: int, max_id: int, tokens: int) -> None:
+    """The sidecar that lets a run check every id against its vocabulary before any step, in no time: the ids'
+    range, and the token count and size that tie it to this file."""
+    stats = {"min_token_id": int(min_id), "max_token_id": int(max_id), "tokens": int(tokens)}
     with open(path + SIDECAR, "w") as f:
-        json.dump(stats, f)
+        json.dump({**stats, "bytes": os.path.getsize(path)}, f)
 
 
-def max_token_id(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
-    """The largest id of a token stream, in chunks (constant memory; ~1 GB/s from the page cache)."""
-    best = -1
+def token_id_range(tokens: np.ndarray, chunk: int = 1 << 26) -> tuple[int, int]:
+    """The smallest and largest id of a token stream, in chunks (constant memory; ~1 GB/s from the page cache);
+    (0, -1) for an empty one."""
+    low, high = None, -1
     for start in range(0, tokens.shape[0], chunk):
-        best = max(best, int(tokens[start : start + chunk].max()))
-    return best
+        part = tokens[start : start + chunk]
+        low = int(part.min()) if low is None else min(low, int(part.min()))
+        high = max(high, int(part.max()))
+    return (0 if low is None else low), high

@@ -27,8 +27,8 @@ from trainer.data.documents import (
     check_boundaries_recorded,
     document_ids,
 )
-from trainer.data.sample_index import Mixture, open_mixture
-from trainer.data.token_files import is_token_path, token_file_paths
+from trainer.data.sample_index import Mixture, normalised, open_mixture
+from trainer.data.token_files import is_token_path, source_names, token_file_paths
 
 logger = logging.getLogger("kiln")
 
@@ -102,7 +102,7 @@ class TokenFileLoader:
             rows[i] = f.tokens[start : start + self.window]
             if self.eos_id is not None:  # the inputs' documents: tokens [start, start + seq_len)
                 starts.append(f.document_starts(start, start + self.window - 1, self.eos_id))
-            if f.max_token_id is None:  # no stats sidecar: check this window's ids as they are read
+            if not f.ids_checked:  # no (complete) stats sidecar: check this window's ids as they are read
                 high = int(rows[i].max())
                 if high >= self._n_words or int(rows[i].min()) < 0:
                     bad = high if high >= self._n_words else int(rows[i].min())
@@ -161,10 +161,11 @@ def build_token_loader(
         check_boundaries_recorded(mixture, documents.flavor, where)
     run_samples = cfg.steps * global_batch
     mixture.check_epochs(run_samples, where)
-    unchecked = [f.path for s in mixture.sources for f in s.files if f.max_token_id is None]
+    unchecked = [f.path for s in mixture.sources for f in s.files if not f.ids_checked]
     if unchecked:
         logger.info(
-            f"Token files without a stats sidecar ({len(unchecked)}, e.g. {unchecked[0]}): their ids are checked "
+            f"Token files without a stats sidecar of their ids' range ({len(unchecked)}, e.g. {unchecked[0]}): their "
+            "ids are checked "
             "window by window as read (scripts/tokenize_data.py --stats FILE checks them once, before any step)"
         )
     logger.info(
@@ -223,16 +224,16 @@ def _file_identity(path: str) -> str:
 
 
 def token_fingerprint(cfg: Training) -> dict[str, Any]:
-    """What identifies the training data in a checkpoint: per source (by name) its weight, cap and files (names
-    relative to the source, sizes, index hashes), and the seed of the order. seq_len is recorded on its own."""
+    """What identifies the training data in a checkpoint: per source (by its name in the mix: the shortest end of
+    its path that tells it from the others, so two `train` folders are two entries, and moving the data keeps them)
+    its normalised weight, cap and files (names relative to the source, sizes, index hashes), and the seed of the
+    order. seq_len is recorded on its own."""
+    entries = mix_entries(cfg)
+    weights = normalised([w for _, w, _ in entries])
     sources: dict[str, Any] = {}
-    for path, weight, max_epochs in mix_entries(cfg):
+    names = source_names([p for p, _, _ in entries])
+    for (path, _, max_epochs), name, weight in zip(entries, names, weights, strict=True):
         root = path if os.path.isdir(path) else os.path.dirname(path)
         files = {os.path.relpath(f, root): _file_identity(f) for f in token_file_paths(path)}
-        total = sum(w for _, w, _ in mix_entries(cfg))
-        sources[os.path.basename(os.path.normpath(path))] = {
-            "weight": round(weight / total, 12),
-            "max_epochs": max_epochs,
-            "files": files,
-        }
+        sources[name] = {"weight": round(float(weight), 12), "max_epochs": max_epochs, "files": files}
     return {"token_sources": sources, "seed": data_seed(cfg)}
