@@ -232,6 +232,7 @@ class Trainer:
                 if not result.applied:  # on no rank: the step is run again
                     self.state.step -= 1
                     continue
+                step = self.state.step  # a semi-synchronous sync in the update may have healed it to the live step
                 out = StepOutput(step, step == t.steps, result.loss, result.grad_norm, result.lr, result.scalars)
                 for hook in hooks:
                     hook.post_step(out)
