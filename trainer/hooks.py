@@ -384,13 +384,23 @@ def build_hooks(
         report = NumericsReport(f8, folder, rank, metrics.is_logging_rank, metrics.writer)
         hooks.append(NumericsHook(model, f8, report, pp_group))
 
+    validation = ValidationHook(validator, cfg.validation.freq, metrics) if validator is not None else None
+
     def must_check(out: StepOutput) -> bool:
-        return stop.stopping or metrics.should_log(out.step) or checkpointer.due(out.step, out.last)
+        """Every step whose results are read: a line (log step, the last step, a stop), a validation, an eval,
+        a save. A bad step between them is still named: the guard keeps the first one on the device."""
+        return (
+            stop.stopping
+            or out.last
+            or metrics.should_log(out.step)
+            or checkpointer.due(out.step, out.last)
+            or (validation is not None and validation_due(out.step, validation.freq))
+            or (downstream is not None and validation_due(out.step, cfg.eval.freq))
+        )
 
     long_steps = compiling_steps(start_step, t.compile, f8.numerics_log_freq)
     if t.compile and float8_on and after:
         long_steps.add(max(after, start_step) + 1)  # the blocks recompile at the switch
-    validation = ValidationHook(validator, cfg.validation.freq, metrics) if validator is not None else None
     if validation is not None and t.compile:  # the first validation compiles the blocks' inference graphs
         long_steps.add(1 if start_step == 0 else (start_step // validation.freq + 1) * validation.freq)
     return [

@@ -8,13 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 import train
 from scripts.compare_runs import main as compare_main
 from tests.helpers.common import tiny_run_args
 from trainer.step.guards import NonFiniteError, last_checkpoint
-from trainer.trainer import Trainer
+from trainer.step.step import StepResult, TrainStep
 
 
 def test_profiler_traces_every_freq_steps_and_cpu_snapshot_warns(
@@ -49,13 +48,20 @@ def _argv(dump: Path, *extra: str) -> list[str]:
 
 
 def _poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> None:
-    forward_loss = Trainer.forward_loss
+    """NaN times the loss of step `bad_step` (the step object's loss function, put back after the step)."""
+    call = TrainStep.__call__
 
-    def poisoned(self: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = forward_loss(self, inputs, labels)
-        return loss * float("nan") if self.step == bad_step else loss
+    def poisoned(self: TrainStep, step: int) -> StepResult:
+        if step != bad_step:
+            return call(self, step)
+        loss_fn = self.loss_fn
+        self.loss_fn = lambda *args: loss_fn(*args) * float("nan")
+        try:
+            return call(self, step)
+        finally:
+            self.loss_fn = loss_fn
 
-    monkeypatch.setattr(Trainer, "forward_loss", poisoned)
+    monkeypatch.setattr(TrainStep, "__call__", poisoned)
 
 
 def test_nan_guard_stops_at_next_log_step_naming_step_and_checkpoint(

@@ -1,9 +1,10 @@
 """NaN/inf guard: stop a run whose loss or gradient norm went non-finite, before it can save a bad state.
 
 Every step records, on the device and without a host sync, the first step whose loss or local grad norm was
-not finite. The verdict is read (one all-reduce + one sync) only on log steps and right before a checkpoint
-save, so non-log steps stay sync-free (docs/performance.md) and no checkpoint is ever written after a bad
-step. The price: weights in memory may already hold the bad update when the run stops; every checkpoint on
+not finite. The verdict is read (one all-reduce + one sync) only on steps whose results are read (log, last,
+validation and eval steps: trainer/hooks.py `must_check`) and right before a checkpoint save, so other steps
+stay sync-free (docs/performance.md) and no checkpoint is ever written, nor a validation run, after a bad step.
+The price: weights in memory may already hold the bad update when the run stops; every checkpoint on
 disk is from before it, and the error names the newest one to resume from. With training.skip_nonfinite_steps
 (NonFiniteSkip, below) a bad step is skipped instead, before its update, and only N of them in a row stop the run.
 """
@@ -79,7 +80,7 @@ class NonFiniteSkip(NonFiniteGuard, StepWrapper):
     which torch's fused kernel reads on the device (torch.amp.GradScaler skips steps the same way): a skipped step
     leaves the weights, exp_avg, exp_avg_sq and the step counts as they were, bit for bit. The LR schedule skips
     too: the lr a step applies is read from a device table of the schedule at (the scheduler's host step count -
-    the steps skipped since the last check). At a check (log and save steps, where the guard syncs anyway) the
+    the steps skipped since the last check). At a check (the guard's steps, where it syncs anyway) the
     skipped steps are logged with their batches' positions, the host scheduler is moved back by their number (so
     checkpoints hold the schedule of the steps taken), and N consecutive skips raise NonFiniteError.
 
@@ -147,7 +148,7 @@ class NonFiniteSkip(NonFiniteGuard, StepWrapper):
 
     def check(self, checkpoint_folder: str) -> None:
         """Log the steps skipped since the last check, move the host LR schedule back by their number; raise
-        NonFiniteError at training.skip_nonfinite_steps consecutive skips (syncs; log and save steps only)."""
+        NonFiniteError at training.skip_nonfinite_steps consecutive skips (syncs; the guard's check steps only)."""
         if not self.attempts:
             return
         flags = torch.stack([a.skipped for a in self.attempts]).tolist()
