@@ -125,7 +125,7 @@ class TokenFileLoader:
 
     def fingerprint(self, cfg: Training) -> dict[str, Any]:
         """What identifies this data in a checkpoint (token_fingerprint)."""
-        return token_fingerprint(cfg)
+        return token_fingerprint(cfg, self.mixture)
 
     def tokens_by_source(self) -> dict[str, int]:
         """Tokens read from each source by all ranks so far (seq_len + 1 per sample)."""
@@ -223,17 +223,20 @@ def _file_identity(path: str) -> str:
     return f"{size} bytes, idx sha256 {digest}"
 
 
-def token_fingerprint(cfg: Training) -> dict[str, Any]:
+def token_fingerprint(cfg: Training, mixture: Mixture | None = None) -> dict[str, Any]:
     """What identifies the training data in a checkpoint: per source (by its name in the mix: the shortest end of
     its path that tells it from the others, so two `train` folders are two entries, and moving the data keeps them)
     its normalised weight, cap and files (names relative to the source, sizes, index hashes), and the seed of the
-    order. seq_len is recorded on its own."""
+    order. seq_len is recorded on its own. `mixture`: the loader's, opened already (its files are not listed
+    again)."""
     entries = mix_entries(cfg)
     weights = normalised([w for _, w, _ in entries])
     sources: dict[str, Any] = {}
     names = source_names([p for p, _, _ in entries])
-    for (path, _, max_epochs), name, weight in zip(entries, names, weights, strict=True):
+    opened = [[f.path for f in s.files] for s in mixture.sources] if mixture is not None else None
+    for i, ((path, _, max_epochs), name, weight) in enumerate(zip(entries, names, weights, strict=True)):
         root = path if os.path.isdir(path) else os.path.dirname(path)
-        files = {os.path.relpath(f, root): _file_identity(f) for f in token_file_paths(path)}
+        paths = opened[i] if opened is not None else token_file_paths(path)
+        files = {os.path.relpath(f, root): _file_identity(f) for f in paths}
         sources[name] = {"weight": round(float(weight), 12), "max_epochs": max_epochs, "files": files}
     return {"token_sources": sources, "seed": data_seed(cfg)}
