@@ -138,6 +138,10 @@ class SequenceSplit:
     def chunks(self, rank: int) -> tuple[int, ...]:
         return (rank, 2 * self.cp - 1 - rank) if self.load_balance else (rank,)
 
+    def rank_tokens(self, rows: int, seq_len: int) -> int:
+        """The tokens a context-parallel rank holds of `rows` sequences of `seq_len`: 1/cp of each."""
+        return rows * seq_len // self.cp
+
     def describe(self) -> str:
         """How the split is made, for messages."""
         if self.load_balance:
@@ -627,14 +631,14 @@ def logit_tokens(cfg: JobConfig, plan: RunPlan) -> tuple[int, str]:
     """The tokens of the largest batch one rank computes logits for at once, and which batch that is: a training
     micro-batch (a pipeline micro-batch under pipeline parallelism) or, with validation on, a validation one (the
     same micro-batch size under a pipeline); a context-parallel rank's 1/cp of each sequence."""
-    t, cp = cfg.training, plan.degrees.cp
+    t, split = cfg.training, plan.sequence
     rows = t.local_batch_size if plan.pipeline is None else cfg.parallelism.pipeline_parallel_microbatch_size
-    tokens, which = rows * t.seq_len // cp, ""
+    tokens, which = split.rank_tokens(rows, t.seq_len), ""
     if cfg.validation.enable:
         val_rows, val_seq = validation_shape(cfg.validation, t)
         val_rows = val_rows if plan.pipeline is None else cfg.parallelism.pipeline_parallel_microbatch_size
-        if val_rows * val_seq // cp > tokens:
-            tokens = val_rows * val_seq // cp
+        if split.rank_tokens(val_rows, val_seq) > tokens:
+            tokens = split.rank_tokens(val_rows, val_seq)
             which = f" (a validation batch: {val_rows} x validation.seq_len {val_seq})"
     return tokens, which
 
@@ -696,7 +700,7 @@ def memory_estimate(
     within 10% of the saved-activation report (no AC: 10.8 vs 10.1 MB; per-op SAC: 4.9 vs 5.0 MB).
     """
     t, ac, shape, pipeline = cfg.training, cfg.activation_checkpoint, plan.shape, plan.pipeline
-    cp, tp = plan.degrees.cp, plan.degrees.tp
+    cp, tp, split = plan.degrees.cp, plan.degrees.tp, plan.sequence
     size = 4 if resolve_mixed_precision(t.mixed_precision_param, device_type) == "float32" else 2
     per_layer = _activation_elems_per_token_layer(shape, ac) * size / tp
     logits_per_token = (size + 4) * shape.vocab_size / tp
@@ -707,13 +711,13 @@ def memory_estimate(
         rows, in_flight = cfg.parallelism.pipeline_parallel_microbatch_size, pipeline.in_flight(pp_rank)
         blocks, has_output = pipeline.blocks(pp_rank), pipeline.has_output(pp_rank)
         what = f"{in_flight} pipeline micro-batch{'es' * (in_flight > 1)} in flight"
-    running = rows * t.seq_len // cp  # the micro-batch a block's attention runs on
+    running = split.rank_tokens(rows, t.seq_len)  # the micro-batch a block's attention runs on
     logits = logits_per_token if has_output else 0
     activations = int(running * in_flight * (blocks * per_layer + logits))
     if cfg.validation.enable:  # forward only: the logits of one (micro-)batch
         val_rows, val_seq = validation_shape(cfg.validation, t)
         val_rows = val_rows if pipeline is None else rows
-        val = int(val_rows * val_seq // cp * logits)
+        val = int(split.rank_tokens(val_rows, val_seq) * logits)
         if val > activations:
             activations, what = val, f"a validation batch's logits, {val_rows} x {val_seq}"
     estimate = {
