@@ -1,11 +1,16 @@
 """Every pair of (precision, layout, context parallelism, activation checkpointing, compile, attention, pipeline)
-values trained end to end.
+values trained end to end, but for the few that cheaper cells or other tests pin (`PINNED_ELSEWHERE`).
 
 The axes are what a user combines on the command line. Testing every combination (6 x 5 x 3 x 3 x 2 x 2 x 3 = 3240
 runs)
 costs too much on 2 cores, so `covering_cells()` picks a pairwise covering array: every value of every axis
 meets every value of every other axis in at least one cell, except the pairs that are invalid or refused by
-construction (`excluded`). Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
+construction (`excluded`) and those `PINNED_ELSEWHERE`: compile with the layouts other than 1 rank and with the
+precisions that other tests compile, and the 4-process layouts with CP or PP (8 processes), which run in the few
+`EIGHT_RANKS` cells. Compiling is what costs (on 2 loaded cores a compiled cell took 57-200 s of wall time, one
+with CP ~200 s, an eager one 1-24 s), so compile runs in 5 cells, one process and CP or PP.
+
+Each cell trains the debug model (2 layers, tiny shape) for a few steps through the
 path users run: `kiln_base.config.parse_args` + `trainer.trainer.Trainer` on gloo ranks. It must train: losses
 finite, falling, and close to its layout's float8-off eager run on the same global batches; with float8, the
 first-step float8 check must have passed and logged float8 matmuls in use; compiled, nothing may compile after
@@ -182,6 +187,64 @@ EXCLUDED: list[tuple[dict[str, tuple[str, ...]], str]] = [
 ]
 
 
+# Pairs no cell has to hold (the cells holding them are valid): what such a cell would pin, cheaper cells pin.
+# Each entry: (the pair's first axis and its values, the second axis and its values, why).
+PINNED_ELSEWHERE: list[tuple[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]], str]] = [
+    (
+        ("compile", ("compile",)),
+        ("layout", ("fsdp2", "tp2", "fsdp2xtp2", "hsdp2x2")),
+        "compiled elsewhere: the blocks are compiled before FSDP wraps them and see TP's DTensors as with TP "
+        "alone; FSDP 2 (selective op AC) and TP 2 compiled match eager and one process in "
+        "tests/parallelisms/test_parallelisms.py, FSDP 2 and HSDP 2 x 2 compiled with float8 all-gather give the "
+        "same losses in tests/e2e/test_fault_tolerance.py; every layout runs eager here, compile with CP and PP",
+    ),
+    (
+        ("compile", ("compile",)),
+        ("precision", ("bf16", "tensorwise", "tensorwise_ag", "rowwise")),
+        "compiled elsewhere: tensorwise in tests/e2e/test_resume_layouts.py (1rank-tensorwise-compile), tensorwise "
+        "with FSDP float8 all-gather in tests/e2e/test_fault_tolerance.py (float8_compile: the first-step float8 "
+        "check passes), rowwise in tests/float8/test_float8.py::test_rowwise_fp32_compiled_matches_eager, float8 "
+        "off in tests/trainer/test_document_masking.py and test_parallelisms.py; nvfp4 and rowwise_gw_hp compile here",
+    ),
+    (
+        ("layout", ("fsdp2xtp2", "hsdp2x2")),
+        ("cp", ("cp2", "cp2_a2a")),
+        "8 processes: CP with FSDP and with TP runs on 4 (fsdp2 and tp2 with CP); EIGHT_RANKS keeps one cell of "
+        "each mesh (shard x CP x TP with allgather, replicate x shard x CP with alltoall)",
+    ),
+    (
+        ("layout", ("fsdp2xtp2", "hsdp2x2")),
+        ("pp", ("1F1B", "Interleaved1F1B")),
+        "8 processes: PP with FSDP and with TP runs on 4 (fsdp2 and tp2 with PP); EIGHT_RANKS keeps one cell of "
+        "each pipeline over a 2-D mesh (PP x shard x TP with 1F1B, PP x replicate x shard with Interleaved1F1B)",
+    ),
+]
+
+
+def _needed(pair: tuple[tuple[str, str], tuple[str, str]]) -> bool:
+    for a, b, _ in PINNED_ELSEWHERE:
+        for (axis1, values1), (axis2, values2) in ((a, b), (b, a)):
+            if pair[0][0] == axis1 and pair[0][1] in values1 and pair[1][0] == axis2 and pair[1][1] in values2:
+                return False
+    return True
+
+
+# The 8-process cells run (eager: compiling 8 processes costs as much as a dozen eager 4-process cells): one of each
+# mesh no 4-process cell builds (docs/parallelisms.md names them), with float8 and AC values the 4-process cells
+# pair with every layout anyway.
+EIGHT_RANKS = [
+    Cell("rowwise", "fsdp2xtp2", "cp2", "layer", "eager", "causal"),  # shard x CP x TP
+    Cell("tensorwise_ag", "hsdp2x2", "cp2_a2a", "op", "eager", "causal"),  # replicate x shard x CP
+    Cell("nvfp4", "fsdp2xtp2", "off", "op", "eager", "causal", "1F1B"),  # PP x shard x TP
+    Cell("bf16", "hsdp2x2", "off", "none", "eager", "block_causal", "Interleaved1F1B"),  # PP x replicate x shard
+    Cell("bf16", "fsdp2", "cp2_a2a", "op", "eager", "causal", "Interleaved1F1B"),  # PP x shard x CP
+    Cell("tensorwise_ag", "tp2", "cp2", "op", "eager", "causal", "Interleaved1F1B"),  # PP x CP x TP
+]
+# Cells every covering holds, for what a pair does not promise: the 8-process meshes, and a compiled block_causal
+# pipeline (every stage builds its micro-batch's mask inside compiled blocks: docs/parallelisms.md).
+CHOSEN = [*EIGHT_RANKS, Cell("rowwise", "1rank", "off", "op", "compile", "block_causal", "Interleaved1F1B")]
+
+
 def excluded(cell: Cell) -> str | None:
     """Why a cell is not run: invalid by construction, or refused with a known reason; None if it runs."""
     for match, reason in EXCLUDED:
@@ -190,9 +253,14 @@ def excluded(cell: Cell) -> str | None:
     return None
 
 
-def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
+def _all_pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
     values = [(axis, getattr(cell, axis)) for axis in AXES]
     return set(itertools.combinations(values, 2))
+
+
+def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
+    """The cell's pairs of axis values that some cell must hold (not those PINNED_ELSEWHERE)."""
+    return {pair for pair in _all_pairs(cell) if _needed(pair)}
 
 
 def _cost(cell: Cell) -> int:
@@ -206,17 +274,20 @@ def all_cells() -> list[Cell]:
     return [Cell(*values) for values in itertools.product(*(list(axis) for axis in AXES.values()))]
 
 
-# What a unit of cost takes off a cell's count of new pairs. 0.12 (0.03 before the CP axis) keeps the 8-rank cells
-# (a 4-rank layout with CP 2) eager: one compiling on 8 processes costs as much as a dozen eager 4-rank cells.
+# What a unit of cost takes off a cell's count of new pairs. 0.12 (0.03 before the CP axis) keeps compile off CP x PP
+# (4 processes) and the 8-process cells: one compiling on 8 processes costs as much as a dozen eager 4-process cells.
 CHARGE = 0.12
 
 
 def covering_cells() -> list[Cell]:
-    """Deterministic greedy pairwise covering array over the cells that run: each pick covers the most pairs not
-    yet covered, less a small charge for its cost (compiling on 4 processes is what takes time on 2 cores)."""
-    candidates = [c for c in all_cells() if excluded(c) is None]
-    uncovered = set().union(*(_pairs(c) for c in candidates))
-    cells: list[Cell] = []
+    """Deterministic greedy pairwise covering array over the cells that run: CHOSEN, then each pick (on at most 4
+    processes) covers the most needed pairs not yet covered, less a small charge for its cost (compiling is what
+    takes time on 2 cores)."""
+    runnable = [c for c in all_cells() if excluded(c) is None]
+    uncovered = set().union(*(_pairs(c) for c in runnable))
+    cells = list(CHOSEN)
+    uncovered -= set().union(*(_pairs(c) for c in cells))
+    candidates = [c for c in runnable if c.world_size <= 4]
     while uncovered:
         useful = [c for c in candidates if _pairs(c) & uncovered]
         best = max(useful, key=lambda c: (len(_pairs(c) & uncovered) - CHARGE * _cost(c), -_cost(c)))
@@ -397,9 +468,22 @@ def test_cells_cover_every_pair_of_axis_values() -> None:
     assert all(excluded(c) is None for c in CELLS) and len(set(CELLS)) == len(CELLS)
     # The only pairs no runnable cell has are the ones excluded by construction: CP with a document mask (float8
     # all-gather on 1 rank or TP 2 is invalid without CP, but CP's ranks shard).
-    every = set().union(*(_pairs(c) for c in all_cells()))
-    missing = {tuple(v for _, v in pair) for pair in every - wanted}
+    every = set().union(*(_all_pairs(c) for c in all_cells()))
+    runs = set().union(*(_all_pairs(c) for c in runnable))
+    missing = {tuple(v for _, v in pair) for pair in every - runs}
     assert missing == {("cp2", "block_causal"), ("cp2_a2a", "block_causal"), ("hsdp2x2", "1F1B")}
+    # The pairs left to other cells and tests (PINNED_ELSEWHERE): only these, and no cell here holds them but the
+    # 8-process cells chosen in EIGHT_RANKS.
+    elsewhere = {tuple(v for _, v in pair) for pair in runs - wanted}
+    four_rank = ("fsdp2xtp2", "hsdp2x2")
+    compiled_elsewhere = ("fsdp2", "tp2", *four_rank, "bf16", "tensorwise", "tensorwise_ag", "rowwise")
+    assert elsewhere == {(value, "compile") for value in compiled_elsewhere} | {
+        (layout, other) for layout in four_rank for other in ("cp2", "cp2_a2a", "1F1B", "Interleaved1F1B")
+    } - {("hsdp2x2", "1F1B")}
+    assert {c for c in CELLS if c.world_size > 4} == set(EIGHT_RANKS) and set(CHOSEN) <= set(CELLS)
+    # compile here: one process, with CP or PP, nvfp4 and rowwise_gw_hp, every AC mode and both attentions
+    compiled = [c for c in CELLS if c.compile == "compile"]
+    assert {c.layout for c in compiled} == {"1rank"} and {c.precision for c in compiled} >= {"nvfp4", "rowwise_gw_hp"}
     assert covering_cells() == CELLS  # deterministic
     assert not any(c.world_size == 8 and c.compile == "compile" for c in CELLS)  # compiling 8 processes: too slow
 
@@ -417,6 +501,10 @@ def composition_table() -> str:
     for match, reason in EXCLUDED:
         axes = [", ".join(match.get(axis, ("any",))) for axis in AXES]
         rows.append(f"| {' | '.join(axes)} | {reason} |")
+    for (axis1, values1), (axis2, values2), reason in PINNED_ELSEWHERE:
+        pair = {axis1: values1, axis2: values2}
+        axes = [", ".join(pair.get(axis, ("any",))) for axis in AXES]
+        rows.append(f"| {' | '.join(axes)} | not every such cell runs here: {reason} |")
     return "\n".join(rows) + "\n"
 
 

@@ -109,11 +109,14 @@ FLOAT8_COMPILE = (
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("inside", ["fp32", "float8_compile"])
+# fp32 inside the groups ran too, with the same assertions: the groups' cross-group averaging is the same code with
+# float8 and compile inside (FSDP's all-gather changes, the replica groups' all-reduce does not), which this run also
+# pins for float8 + compile with FSDP 2 and HSDP 2 x 2 (tests/e2e/test_composition.py's PINNED_ELSEWHERE).
+@pytest.mark.parametrize("inside", ["float8_compile"])
 def test_two_groups_without_a_fault_give_hsdp_losses(inside: str, tmp_path: Path) -> None:
     """Two groups of FSDP 2 through the lighthouse == HSDP 2 x 2 in one job, within 1e-5 at every step (the
-    lighthouse waits for both groups: a group that came later would heal from the first at its first step); also
-    with float8 (tensorwise, FSDP float8 all-gather) and compile inside each group, as without fault tolerance."""
+    lighthouse waits for both groups: a group that came later would heal from the first at its first step), with
+    float8 (tensorwise, FSDP float8 all-gather) and compile inside each group, as without fault tolerance."""
     steps, tb = ("--training.steps", "5"), ("--metrics.enable_tensorboard",)
     if inside == "float8_compile":
         steps += FLOAT8_COMPILE
@@ -418,53 +421,68 @@ def run_group(*args: str, cwd: Path, ngpu: int = 1, **env: str) -> KilnResult:
     return run_kiln(args, ngpu=ngpu, threads=1, env=env, cwd=cwd, timeout=TIMEOUT_S)
 
 
-@pytest.mark.parametrize(
-    ("extra", "env", "needle"),
-    [
-        (
-            ("--fault_tolerance.replica_id", "2"),
-            {},
-            "fault_tolerance.replica_id must be in [0, group_size) = [0, 2), got 2",
-        ),
-        (("--fault_tolerance.group_size", "0"), {}, "fault_tolerance.group_size must be the number of replica groups"),
-        (
-            ("--fault_tolerance.group_size", str(2**62)),
-            {},
-            f"fault_tolerance.group_size must be in [0, 4096] (replica groups; each reads 1/group_size of every global "
-            f"batch), got {2**62}",
-        ),
-        (
-            ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.should_quantize"),
-            {},
-            "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
-        ),
-        (
-            ("--parallelism.pipeline_parallel_degree", "2"),
-            {},
-            "parallelism.pipeline_parallel_degree = 2: not supported with fault_tolerance.enable yet",
-        ),
-        (
-            ("--parallelism.context_parallel_degree", "2"),
-            {},
-            "parallelism.context_parallel_degree = 2: not supported with fault_tolerance.enable yet",
-        ),
-        (("--parallelism.data_parallel_replicate_degree", "2"), {}, "the replica groups are the replicate dimension"),
-        ((), {"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
-    ],
-    ids=[
-        "replica_id",
-        "group_size",
-        "group_size_huge",
-        "diloco_quantize",
-        "pp",
-        "cp",
-        "dp_replicate",
-        "no_lighthouse_env",
-    ],
-)
+FT_MISTAKES = [
+    (
+        ("--fault_tolerance.replica_id", "2"),
+        {},
+        "fault_tolerance.replica_id must be in [0, group_size) = [0, 2), got 2",
+    ),
+    (("--fault_tolerance.group_size", "0"), {}, "fault_tolerance.group_size must be the number of replica groups"),
+    (
+        ("--fault_tolerance.group_size", str(2**62)),
+        {},
+        f"fault_tolerance.group_size must be in [0, 4096] (replica groups; each reads 1/group_size of every global "
+        f"batch), got {2**62}",
+    ),
+    (
+        ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.should_quantize"),
+        {},
+        "fault_tolerance.should_quantize needs CUDA GPUs (torchft's triton kernels); this run is on cpu",
+    ),
+    (
+        ("--parallelism.pipeline_parallel_degree", "2"),
+        {},
+        "parallelism.pipeline_parallel_degree = 2: not supported with fault_tolerance.enable yet",
+    ),
+    (
+        ("--parallelism.context_parallel_degree", "2"),
+        {},
+        "parallelism.context_parallel_degree = 2: not supported with fault_tolerance.enable yet",
+    ),
+    (("--parallelism.data_parallel_replicate_degree", "2"), {}, "the replica groups are the replicate dimension"),
+    ((), {"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
+]
+FT_MISTAKE_IDS = [
+    *("replica_id", "group_size", "group_size_huge", "diloco_quantize"),
+    *("pp", "cp", "dp_replicate", "no_lighthouse_env"),
+]
+
+
+@pytest.mark.parametrize(("extra", "env", "needle"), FT_MISTAKES, ids=FT_MISTAKE_IDS)
+def test_mistakes_are_one_line_in_the_launchers_check(
+    extra: tuple[str, ...],
+    env: dict[str, str],
+    needle: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
+) -> None:
+    """What run_train.sh checks before torchrun (train.check_config for NGPU 2) stops each with its one line."""
+    import train
+
+    for key, value in {"TORCHFT_LIGHTHOUSE": "http://localhost:1", **env}.items():
+        monkeypatch.setenv(key, value)
+    assert train.check_config(ft_args(0, "--job.dump_folder", str(tmp_path), *extra), world_size=2) is None
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith("kiln: error: ") and needle in line, line
+
+
+@pytest.mark.parametrize(("extra", "env", "needle"), [FT_MISTAKES[0], FT_MISTAKES[-1]], ids=["replica_id", "env"])
 def test_mistakes_are_one_line_before_any_rank(
     extra: tuple[str, ...], env: dict[str, str], needle: str, tmp_path: Path
 ) -> None:
+    """Through run_train.sh (NGPU 2): a config mistake and the environment's, exit 2 before torchrun starts a rank
+    (the others take the same path: test_mistakes_are_one_line_in_the_launchers_check)."""
     env = {"TORCHFT_LIGHTHOUSE": "http://localhost:1", **env}
     proc = run_group(*ft_args(0, "--job.dump_folder", str(tmp_path), *extra), cwd=tmp_path, ngpu=2, **env)
     assert_one_line_error(proc, needle)
