@@ -3,6 +3,7 @@ step, and a clock that stands in for time.perf_counter in the modules that time 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,3 +47,21 @@ class TimedStep:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.step, name)
+
+
+class SlowData:
+    """Stands in for the step's data loader (trainer.train_step.dataloader = SlowData(...)): each batch takes
+    `seconds` by the clock (what the step waits for data)."""
+
+    def __init__(self, loader: Any, clock: StepClock, seconds: float) -> None:
+        self.loader, self.clock, self.seconds = loader, clock, seconds
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        self.clock.now += self.seconds
+        return next(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

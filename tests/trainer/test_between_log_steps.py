@@ -25,7 +25,7 @@ import trainer.components.metrics as metrics_module
 import trainer.step.step as step_module
 from kiln_base.errors import NonFiniteError
 from tests.helpers.common import LogLines, kiln_log_lines, open_trainer, tiny_run_args
-from tests.helpers.step_metrics import StepClock, TimedStep, logged_metrics
+from tests.helpers.step_metrics import SlowData, StepClock, TimedStep, logged_metrics
 from trainer.components.optim import lr_factor
 from trainer.hooks import StepHook
 
@@ -75,23 +75,6 @@ class PoisonLoss(StepHook):
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
         return self._poisoned() if step in self.steps else contextlib.nullcontext()
-
-
-class SlowData:
-    """The step's loader, each batch taking `seconds` by the clock."""
-
-    def __init__(self, loader: Any, clock: StepClock, seconds: float) -> None:
-        self.loader, self.clock, self.seconds = loader, clock, seconds
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> Any:
-        self.clock.now += self.seconds
-        return next(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
 
 
 def test_the_line_of_a_log_step_shows_that_step_and_counts_every_step_since_the_last_line(

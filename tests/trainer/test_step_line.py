@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,27 +19,10 @@ import trainer.components.metrics as metrics_module
 import trainer.step.step as step_module
 from kiln_base.config import Metrics
 from tests.helpers.common import kiln_log_lines, open_trainer, tiny_run_args
-from tests.helpers.step_metrics import StepClock, TimedStep, logged_metrics
+from tests.helpers.step_metrics import SlowData, StepClock, TimedStep, logged_metrics
 from trainer.components.metrics import MetricsLogger
 
 GIB = 2**30
-
-
-class SlowData:
-    """The Trainer's loader, each batch taking `seconds` by the clock (what the step waits for data)."""
-
-    def __init__(self, loader: Any, clock: StepClock, seconds: float) -> None:
-        self.loader, self.clock, self.seconds = loader, clock, seconds
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> Any:
-        self.clock.now += self.seconds
-        return next(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
 
 
 def test_data_share_lr_and_checkpoint_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
