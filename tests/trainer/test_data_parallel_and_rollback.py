@@ -28,15 +28,17 @@ from tests.helpers.hostile import SMALL_ARGS, snapshot
 def _rank_batches(replicate: int, shard: int, tp: int, steps: int) -> list[list[list[int]]]:
     """On a gloo rank: the inputs of this rank's first `steps` batches, through the Trainer's data phase."""
     from kiln_base.config import parse_args
-    from parallelisms.parallel_dims import ParallelDims
     from trainer import build
     from trainer.components.tokenizer import load_tokenizer
 
-    cfg = parse_args(tiny_run_args("--training.local_batch_size", "2", "--training.data_prefetch", "0"))
-    dims = ParallelDims.for_world(replicate, shard, tp, dist.get_world_size())
-    dims.build_mesh("cpu")
-    global_batch = cfg.training.local_batch_size * dims.dp_degree
-    loader = build.data(cfg, load_tokenizer(cfg.model.tokenizer_path), dims, torch.device("cpu"), global_batch)
+    degrees = ("--parallelism.data_parallel_replicate_degree", str(replicate))
+    degrees += ("--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp))
+    cfg = parse_args(tiny_run_args("--training.local_batch_size", "2", "--training.data_prefetch", "0", *degrees))
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    args = build.model_args(cfg.model, cfg.training.seq_len, tokenizer.n_words)
+    plan = build.run_plan(cfg, args, dist.get_world_size(), "cpu")  # the Trainer's plan and mesh
+    dims = build.parallel_dims(plan, "cpu")
+    loader = build.data(cfg, tokenizer, plan, dims, torch.device("cpu"))
     try:
         return [next(loader)[0].tolist() for _ in range(steps)]
     finally:

@@ -20,6 +20,7 @@ from kiln_base.config import (
     memory_estimate,
     parse_args,
 )
+from kiln_base.config.plan import BatchPlan
 from models import LLAMA3_FLAVORS
 from tests.helpers.common import DEBUG_CONFIG, ROOT
 from tests.helpers.sac import LAYERS, SAVE_LIST, batch, debug_model, loss_fn
@@ -70,7 +71,9 @@ def test_activation_estimate_matches_report(save_list: frozenset | None) -> None
     ac = ActivationCheckpoint(mode="none") if save_list is None else ActivationCheckpoint("selective", "op")
     args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256, n_layers=LAYERS)
     cfg = JobConfig(training=Training(local_batch_size=2, seq_len=64), activation_checkpoint=ac)
-    plan = RunPlan(Degrees(1, 1, 1, 1, 1), SequenceSplit(1, False), 1, None, args.shape())
+    degrees = Degrees(1, 1, 1, 1, 1)
+    batch_plan = BatchPlan.of(cfg, degrees)
+    plan = RunPlan(degrees, SequenceSplit(1, False), 1, batch_plan, pipeline=None, shape=args.shape())
     est = memory_estimate(cfg, plan, local_params(model), "cuda")  # bf16 compute, as the measured autocast
     activations = measured.total_bytes - measured.bytes_of("aten._to_copy")
     assert abs(est["activations (one micro-batch)"] / activations - 1) < 0.2, (est, activations)
