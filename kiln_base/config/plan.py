@@ -450,11 +450,15 @@ class RunPlan:
 
     degrees: Degrees
     sequence: SequenceSplit  # context parallelism's chunks (cp 1: one chunk)
-    grad_accum_steps: int  # local batches per optimizer step
     batch: BatchPlan  # the global batch, who reads which part of it, the tokens each rank computes
     pipeline: PipelinePlan | None  # None without pipeline parallelism
     shape: ModelShape
     fragments: tuple[tuple[str, ...], ...] | None = None  # DiLoCo's model fragments (FQNs); None without DiLoCo
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Local batches per optimizer step."""
+        return self.batch.grad_accum_steps
 
     @property
     def global_batch(self) -> int:
@@ -511,9 +515,7 @@ def plan_run(cfg: JobConfig, world_size: int, shape: ModelShape) -> RunPlan:
     The device-dependent rules are kiln_base.config.check_parallel_plan's."""
     degrees, batch = check_world(cfg, world_size)
     pipeline, fragments = check_pipeline(cfg, shape), diloco_fragments(cfg.fault_tolerance, shape)
-    return RunPlan(
-        degrees, SequenceSplit.of(cfg.parallelism), batch.grad_accum_steps, batch, pipeline, shape, fragments
-    )
+    return RunPlan(degrees, SequenceSplit.of(cfg.parallelism), batch, pipeline, shape, fragments)
 
 
 # ----------------------------------------------------------------------------- memory per rank

@@ -73,7 +73,7 @@ def test_activation_estimate_matches_report(save_list: frozenset | None) -> None
     cfg = JobConfig(training=Training(local_batch_size=2, seq_len=64), activation_checkpoint=ac)
     degrees = Degrees(1, 1, 1, 1, 1)
     batch_plan = BatchPlan.of(cfg, degrees)
-    plan = RunPlan(degrees, SequenceSplit(1, False), 1, batch_plan, pipeline=None, shape=args.shape())
+    plan = RunPlan(degrees, SequenceSplit(1, False), batch_plan, pipeline=None, shape=args.shape())
     est = memory_estimate(cfg, plan, local_params(model), "cuda")  # bf16 compute, as the measured autocast
     activations = measured.total_bytes - measured.bytes_of("aten._to_copy")
     assert abs(est["activations (one micro-batch)"] / activations - 1) < 0.2, (est, activations)

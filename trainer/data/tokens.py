@@ -165,8 +165,8 @@ def build_token_loader(
     if unchecked:
         logger.info(
             f"Token files without a stats sidecar of their ids' range ({len(unchecked)}, e.g. {unchecked[0]}): their "
-            "ids are checked "
-            "window by window as read (scripts/tokenize_data.py --stats FILE checks them once, before any step)"
+            "ids are checked window by window as read (scripts/tokenize_data.py --stats FILE checks them once, "
+            "before any step)"
         )
     logger.info(
         f"Data mix over the run ({cfg.steps} steps x {global_batch} sequences of {cfg.seq_len + 1} "
