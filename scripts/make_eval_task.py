@@ -82,6 +82,11 @@ def make_items(texts: list[str], seed: int) -> list[dict]:
         label = rng.randrange(N_CHOICES)
         choices = [sep + s for s in distractors[:label] + [answer] + distractors[label:]]
         items.append({"id": len(items), "doc": doc, "context": context, "choices": choices, "label": label})
+    if not items:  # an empty task file would fail at the run's first evaluation, not here
+        raise DataError(
+            f"no record of its {len(texts)} has two or more segments (sentences or lines): no item to make; give "
+            "documents of several sentences"
+        )
     return items
 
 

@@ -155,6 +155,8 @@ BAD_CORPORA = {
         "documents"),
     "no text": ('{"text": "A. B. C."}\n\n{"txt": "D. E."}\n', "line 3: no 'text' field (has: txt); every record "
         "needs a string 'text' field"),
+    "no item": ('{"text": "one sentence"}\n{"text": "another one"}\n', "no record of its 2 has two or more "
+        "segments (sentences or lines): no item to make; give documents of several sentences"),
 }  # fmt: skip
 
 
