@@ -1,10 +1,23 @@
-"""Model hyper-parameters and the Llama 3 / 3.1 / 3.2 flavors (Meta's published shapes and rope settings)."""
+"""Model hyper-parameters: the Llama 3 / 3.1 / 3.2 flavors (Meta's published shapes and rope settings) and the
+Qwen3 flavors, dense and mixture-of-experts (Qwen's published config.json shapes).
+
+One ModelArgs describes both families: Qwen3 is the Llama 3 block with per-head q/k RMSNorm (`qk_norm`), its own
+`head_dim`, an explicit FFN width (`ffn_dim`) and, with `moe_num_experts` > 0, a mixture-of-experts FFN
+(models/moe.py). Every new field's default is Llama 3's behaviour, so a Llama 3 ModelArgs builds the same model."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kiln_base.config import ATTENTION_VARIANTS, BASE_FLAVORS, ModelShape, attention_flavor, check_model_fields
+from kiln_base.config import (
+    ATTENTION_VARIANTS,
+    BASE_FLAVORS,
+    MODEL_FIELDS,
+    ModelShape,
+    Range,
+    attention_flavor,
+    check_model_fields,
+)
 from kiln_base.errors import ConfigError
 
 
@@ -36,6 +49,19 @@ class ModelArgs:
     attn_type: str = "sdpa"  # sdpa | flex | varlen
     attn_mask_type: str = "causal"  # causal | block_causal
     bos_id: int | None = None  # set from the tokenizer at build time (like vocab_size); block_causal on text needs it
+    # Qwen3 (QWEN3_FLAVORS). Defaults: Llama 3.
+    head_dim: int | None = None  # per-head width; None: dim // n_heads. q/k/v project dim -> heads * head_dim
+    qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE
+    ffn_dim: int | None = None  # the dense SwiGLU hidden size; None: from multiple_of and ffn_dim_multiplier
+    # Mixture of experts (models/moe.py): 0 experts is a dense FFN in every block; > 0 an MoE FFN in every block.
+    moe_num_experts: int = 0
+    moe_top_k: int = 1  # experts per token
+    moe_hidden_dim: int = 0  # each routed expert's SwiGLU hidden size (Hugging Face's moe_intermediate_size)
+    moe_shared_hidden_dim: int = 0  # the shared experts' SwiGLU hidden size (all shared experts as one); 0: none
+    moe_score_func: str = "softmax"  # softmax | sigmoid: the router's scores
+    moe_route_norm: bool = False  # renormalise the top-k scores to sum 1 (Hugging Face's norm_topk_prob)
+    moe_route_scale: float = 1.0  # the routing weights are multiplied by this
+    moe_grouped_mm: bool = True  # torch._grouped_mm where it runs (models/moe.py), else a loop over the experts
 
     def shape(self) -> ModelShape:
         """What the config checks need to know of this shape (kiln_base/config/checks.py)."""
@@ -52,8 +78,69 @@ class ModelArgs:
         )
 
     def check_fields(self, where: str) -> None:
-        """Every field of the right type and in range (kiln_base.config.check_model_fields), ConfigError if not."""
-        check_model_fields({f.name: getattr(self, f.name) for f in fields(self)}, where)
+        """Every field of the right type and in range (check_fields), ConfigError if not."""
+        check_fields({f.name: getattr(self, f.name) for f in fields(self)}, where)
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_num_experts > 0
+
+    def resolved_head_dim(self) -> int:
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
+
+
+# The Qwen3 fields' types and ranges, as kiln_base.config.MODEL_FIELDS holds the Llama 3 fields'. They live here
+# until the config learns the Qwen3 family (kiln_base/config is not changed by the model layer); check_fields
+# checks both tables, so every source of a ModelArgs (flavor, config.json, kiln.json) is checked for all fields.
+_SIZE = Range(lo=1, hi=2**31 - 1)
+QWEN3_FIELDS: dict[str, tuple[str, Range | None]] = {
+    "head_dim": ("int or null", _SIZE),
+    "qk_norm": ("bool", None),
+    "ffn_dim": ("int or null", _SIZE),
+    "moe_num_experts": ("int", Range(lo=0, hi=2**31 - 1)),
+    "moe_top_k": ("int", _SIZE),
+    "moe_hidden_dim": ("int", Range(lo=0, hi=2**31 - 1)),
+    "moe_shared_hidden_dim": ("int", Range(lo=0, hi=2**31 - 1)),
+    "moe_score_func": ("str", None),
+    "moe_route_norm": ("bool", None),
+    "moe_route_scale": ("number", Range(lo=0, lo_open=True)),
+    "moe_grouped_mm": ("bool", None),
+}
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def _of_type(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("or null")
+    if kind.startswith("int"):
+        return type(value) is int
+    if kind.startswith("number"):
+        return type(value) in (int, float)
+    if kind.startswith("str"):
+        return type(value) is str
+    return type(value) is bool
+
+
+def check_fields(values: Mapping[str, Any], where: str) -> None:
+    """Each ModelArgs field in `values` of its type and in its range: the Llama 3 fields by
+    kiln_base.config.check_model_fields, the Qwen3 fields by QWEN3_FIELDS (same messages), and an MoE's experts
+    and top k consistent. ConfigError naming `where` and the field."""
+    check_model_fields({k: v for k, v in values.items() if k in MODEL_FIELDS or k not in QWEN3_FIELDS}, where)
+    for name, value in values.items():
+        if name not in QWEN3_FIELDS:
+            continue
+        kind, valid = QWEN3_FIELDS[name]
+        if not _of_type(value, kind):
+            raise ConfigError(f"{where}: model {name} must be {'an' if kind[0] == 'i' else 'a'} {kind}, got {value!r}")
+        if valid is not None and value is not None and not valid.contains(value):
+            raise ConfigError(f"{where}: model {name} must be {valid.describe(value)}, got {value!r}")
+    if values.get("moe_score_func", "softmax") not in SCORE_FUNCS:
+        raise ConfigError(f"{where}: model moe_score_func must be one of {', '.join(SCORE_FUNCS)}")
+    experts = values.get("moe_num_experts", 0)
+    if experts > 0 and not values.get("moe_top_k", 1) <= experts:
+        raise ConfigError(f"{where}: model moe_top_k {values.get('moe_top_k')} exceeds moe_num_experts {experts}")
+    if experts > 0 and values.get("moe_hidden_dim", 0) < 1:
+        raise ConfigError(f"{where}: model moe_hidden_dim must be >= 1 with moe_num_experts {experts}")
 
 
 def stored_model_args(saved: Any, where: str) -> ModelArgs:
@@ -65,12 +152,15 @@ def stored_model_args(saved: Any, where: str) -> ModelArgs:
     unknown = sorted(str(k) for k in set(saved) - known)
     if unknown:
         raise ConfigError(f"{where} has model_args.{unknown[0]}, unknown to this kiln")
-    check_model_fields(saved, where)
+    check_fields(saved, where)
     return ModelArgs(**saved)
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
-    """SwiGLU hidden size: 2/3 of 4*dim (keeps params equal to a 4x GELU MLP), scaled, rounded up."""
+    """The dense SwiGLU hidden size: `ffn_dim` when set (Qwen3), else Llama 3's rule: 2/3 of 4*dim (keeps params
+    equal to a 4x GELU MLP), scaled, rounded up."""
+    if args.ffn_dim is not None:
+        return args.ffn_dim
     hidden = int(2 * 4 * args.dim / 3)
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)
@@ -81,16 +171,26 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
 ATTENTION_FIELDS = ("attn_type", "attn_mask_type", "bos_id")
 
 
+# Fields that choose how the same weights are computed, not what they compute (a kernel).
+COMPUTE_FIELDS = ("moe_grouped_mm",)
+_MOE_FIELDS = tuple(f.name for f in fields(ModelArgs) if f.name.startswith("moe_") and f.name not in COMPUTE_FIELDS)
+
+
 def model_signature(args: ModelArgs) -> dict[str, Any]:
-    """What makes two ModelArgs the same trained model: every field but the RoPE table length, the init rule and
-    the attention (ATTENTION_FIELDS: weights trained with a causal mask load into a document-masked flavor and back),
-    the FFN width instead of the two numbers that produce it, and the scaling settings only when scaling is on."""
-    skip = ("max_seq_len", "depth_init", *ATTENTION_FIELDS)
+    """What makes two ModelArgs the same trained model: every field but the RoPE table length, the init rule,
+    the attention (ATTENTION_FIELDS: weights trained with a causal mask load into a document-masked flavor and back)
+    and the kernel choices (COMPUTE_FIELDS); the FFN width and head width instead of the numbers that produce them;
+    the scaling settings only when scaling is on; the MoE settings only for an MoE (a dense model's are unused)."""
+    skip = ("max_seq_len", "depth_init", *ATTENTION_FIELDS, *COMPUTE_FIELDS)
     out = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in skip}
     out["n_kv_heads"] = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
     out["ffn_hidden_dim"] = ffn_hidden_dim(args)
-    for k in ("multiple_of", "ffn_dim_multiplier"):
+    out["head_dim"] = args.resolved_head_dim()
+    for k in ("multiple_of", "ffn_dim_multiplier", "ffn_dim"):
         del out[k]
+    if not args.moe:
+        for k in _MOE_FIELDS:
+            del out[k]
     if not args.rope_scaling:
         for k in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
             del out[k]
@@ -155,4 +255,62 @@ LLAMA3_FLAVORS |= {
     attention_flavor(base, attn): replace(LLAMA3_FLAVORS[base], attn_type=attn, attn_mask_type="block_causal")
     for attn in ATTENTION_VARIANTS
     for base in BASE_FLAVORS
+}
+
+# Qwen3 (torchtitan's flavor names), the shapes of Qwen's config.json files on the Hugging Face hub (Qwen/Qwen3-*):
+# head_dim 128, rope theta 1e6 (no scaling), RMSNorm eps 1e-6, a 151936-token vocabulary, a 40960-token context;
+# tied embeddings up to 4B. The MoE flavors: 128 experts, 8 per token, renormalised top-k softmax scores
+# (norm_topk_prob), an MoE FFN in every block (decoder_sparse_step 1, no mlp_only_layers), no shared experts.
+_QWEN3: dict[str, Any] = {
+    "vocab_size": 151936,
+    "head_dim": 128,
+    "qk_norm": True,
+    "norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "context_len": 40960,
+    "max_seq_len": 40960,
+}
+_QWEN3_MOE: dict[str, Any] = {**_QWEN3, "moe_num_experts": 128, "moe_top_k": 8, "moe_route_norm": True}
+
+
+def _qwen3(dim: int, layers: int, heads: int, kv: int, ffn: int, **kw: Any) -> ModelArgs:
+    return ModelArgs(
+        **{**_QWEN3, **kw, "dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv}, ffn_dim=ffn
+    )
+
+
+QWEN3_FLAVORS: dict[str, ModelArgs] = {
+    # Small enough for a CPU training step in a fraction of a second; the vocabulary comes from the tokenizer.
+    "debugmodel": _qwen3(256, 4, 8, 4, 768, head_dim=32, vocab_size=-1, max_seq_len=2048),
+    "debugmodel_moe": _qwen3(
+        256,
+        4,
+        8,
+        4,
+        768,
+        head_dim=32,
+        vocab_size=-1,
+        max_seq_len=2048,
+        moe_num_experts=8,
+        moe_top_k=2,
+        moe_hidden_dim=128,
+        moe_route_norm=True,
+    ),
+    "0.6B": _qwen3(1024, 28, 16, 8, 3072, tie_word_embeddings=True),
+    "1.7B": _qwen3(2048, 28, 16, 8, 6144, tie_word_embeddings=True),
+    "4B": _qwen3(2560, 36, 32, 8, 9728, tie_word_embeddings=True),
+    "8B": _qwen3(4096, 36, 32, 8, 12288),
+    "14B": _qwen3(5120, 40, 40, 8, 17408),
+    "32B": _qwen3(5120, 64, 64, 8, 25600),
+    # intermediate_size (ffn_dim) is unused by an all-MoE model but kept: config.json carries it.
+    "30B-A3B": ModelArgs(
+        **{**_QWEN3_MOE, "dim": 2048, "n_layers": 48, "n_heads": 32, "n_kv_heads": 4},
+        ffn_dim=6144,
+        moe_hidden_dim=768,
+    ),
+    "235B-A22B": ModelArgs(
+        **{**_QWEN3_MOE, "dim": 4096, "n_layers": 94, "n_heads": 64, "n_kv_heads": 4},
+        ffn_dim=12288,
+        moe_hidden_dim=1536,
+    ),
 }

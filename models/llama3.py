@@ -1,4 +1,4 @@
-"""Llama 3 decoder as plain nn.Modules.
+"""Llama 3 and Qwen3 decoders as plain nn.Modules (Qwen3: per-head q/k norms, its own head_dim, MoE FFNs).
 
 Module and attribute names match torchtitan exactly so that tensor-parallel plans, FQN filters
 and checkpoints written for torchtitan apply unchanged. No distributed code lives here.
@@ -9,7 +9,6 @@ Blocks take (x, freqs_cis, attention_mask): the mask is None for causal attentio
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -19,32 +18,8 @@ from torch import nn
 from kiln_base.internals import unwrapped_fqn
 from models.args import ModelArgs, ffn_hidden_dim
 from models.attention import SUPPORTED, AttentionMask, attend, block_causal_mask, document_ids, varlen_mask
-
-
-@dataclass(frozen=True)
-class ParamInit:
-    """How one parameter is initialised: `normal` (mean 0, `std`), `trunc_normal` (mean 0, `std`, cut at +-`cut`
-    stds) or `ones`. Elementwise, so any slice of a tensor can be filled on its own (the layout-independent init of
-    parallelisms/seeded_init.py fills each rank's shard from the full tensor's values)."""
-
-    kind: str
-    std: float = 1.0
-    cut: float = 2.0  # nn.init.trunc_normal_'s default bounds are +-2 (absolute): see `fill_`
-
-    def fill_(self, t: torch.Tensor, generator: torch.Generator | None = None) -> None:
-        if self.kind == "ones":
-            nn.init.ones_(t)
-        elif self.kind == "normal":
-            nn.init.normal_(t, mean=0.0, std=self.std, generator=generator)
-        else:
-            bound = self.cut * self.std
-            nn.init.trunc_normal_(t, mean=0.0, std=self.std, a=-bound, b=bound, generator=generator)
-
-
-def _trunc(std: float) -> ParamInit:
-    """torchtitan's Linear init: trunc_normal_(std) with nn.init's default bounds a=-2, b=2 (absolute, so at these
-    small stds nothing is cut)."""
-    return ParamInit("trunc_normal", std, cut=2.0 / std)
+from models.init import ParamInit, trunc
+from models.moe import MoE
 
 
 def _apply_rope_scaling(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -127,22 +102,27 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
         self.n_rep = self.n_heads // self.n_kv_heads
-        self.head_dim = args.dim // args.n_heads
+        self.head_dim = args.resolved_head_dim()
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3: each q and k head RMS-normalised over head_dim before RoPE (None: Llama 3, no norm).
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.core: AttentionCore = attention_core
 
-    @staticmethod
-    def param_inits(init_std: float) -> dict[str, ParamInit]:
-        """Input projections std 0.02; the residual-facing wo uses the depth-scaled init_std."""
-        return {
-            "wq.weight": _trunc(0.02),
-            "wk.weight": _trunc(0.02),
-            "wv.weight": _trunc(0.02),
-            "wo.weight": _trunc(init_std),
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """Input projections std 0.02; the residual-facing wo uses the depth-scaled init_std; q/k norms ones."""
+        out = {
+            "wq.weight": trunc(0.02),
+            "wk.weight": trunc(0.02),
+            "wv.weight": trunc(0.02),
+            "wo.weight": trunc(init_std),
         }
+        if self.q_norm is not None:
+            out |= {"q_norm.weight": ParamInit("ones"), "k_norm.weight": ParamInit("ones")}
+        return out
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """x: (bs, seqlen, dim) -> (bs, seqlen, dim); `mask` None is causal attention."""
@@ -151,6 +131,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         out = self.core(xq, xk, xv, mask)
         return self.wo(out.contiguous().view(bs, seqlen, -1))
@@ -168,7 +150,7 @@ class FeedForward(nn.Module):
     @staticmethod
     def param_inits(init_std: float) -> dict[str, ParamInit]:
         """w1 std 0.02; w2 and w3 use init_std (torchtitan's choice, w3 included)."""
-        return {"w1.weight": _trunc(0.02), "w2.weight": _trunc(init_std), "w3.weight": _trunc(init_std)}
+        return {"w1.weight": trunc(0.02), "w2.weight": trunc(init_std), "w3.weight": trunc(init_std)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> (..., dim)."""
@@ -176,12 +158,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)). The FFN is `feed_forward` (a SwiGLU) or,
+    with args.moe_num_experts > 0, `moe` (models/moe.py); the other is None."""
 
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+        self.feed_forward: FeedForward | None = None
+        self.moe: MoE | None = None
+        if args.moe:
+            shared = args.moe_shared_hidden_dim
+            self.moe = MoE(args, FeedForward(args.dim, shared) if shared else None)
+        else:
+            self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Deeper layers' residual outputs start smaller so the residual stream variance stays bounded.
@@ -190,24 +179,33 @@ class TransformerBlock(nn.Module):
 
     def param_inits(self) -> dict[str, ParamInit]:
         """Each parameter's init, by its name in the block."""
-        out = {f"attention.{k}": v for k, v in Attention.param_inits(self.weight_init_std).items()}
-        out |= {f"feed_forward.{k}": v for k, v in FeedForward.param_inits(self.weight_init_std).items()}
+        std = self.weight_init_std
+        out = {f"attention.{k}": v for k, v in self.attention.param_inits(std).items()}
+        if self.moe is not None:
+            out |= {f"moe.{k}": v for k, v in MoE.param_inits(std).items()}
+            if self.moe.shared_experts is not None:
+                out |= {f"moe.shared_experts.{k}": v for k, v in FeedForward.param_inits(std).items()}
+        else:
+            out |= {f"feed_forward.{k}": v for k, v in FeedForward.param_inits(std).items()}
         return out | {"attention_norm.weight": ParamInit("ones"), "ffn_norm.weight": ParamInit("ones")}
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Llama 3 decoder. tok_embeddings, norm and output may be set to None by pipeline splitting."""
+    """Llama 3 or Qwen3 decoder (by its ModelArgs). tok_embeddings, norm and output may be set to None by pipeline
+    splitting."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer) before building")
-        if args.dim % args.n_heads != 0:
+        if args.head_dim is None and args.dim % args.n_heads != 0:
             raise ValueError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
         if args.n_kv_heads is not None and args.n_heads % args.n_kv_heads != 0:
             raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
@@ -227,7 +225,7 @@ class Transformer(nn.Module):
     def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
         args = self.model_args
         return precompute_freqs_cis(
-            args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args if args.rope_scaling else None, device
+            args.resolved_head_dim(), args.max_seq_len, args.rope_theta, args if args.rope_scaling else None, device
         )
 
     def param_inits(self) -> dict[str, ParamInit]:
@@ -251,8 +249,11 @@ class Transformer(nn.Module):
 
     def init_buffers(self, device: torch.device) -> None:
         """Recompute freqs_cis on `device` (a meta-built model holds no values) and re-tie a tied output, which
-        to_empty() unties by allocating each module's parameters separately."""
+        to_empty() unties by allocating each module's parameters separately; zero the MoE buffers."""
         self.freqs_cis = self._precompute_freqs_cis(torch.device(device))
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.init_buffers()
         emb, out = self.tok_embeddings, self.output
         if self.model_args.tie_word_embeddings and emb is not None and out is not None:
             out.weight = emb.weight

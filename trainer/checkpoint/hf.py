@@ -1,4 +1,4 @@
-"""Hugging Face Llama <-> kiln, exactly or not at all.
+"""Hugging Face Llama, Qwen3 and Qwen3-MoE <-> kiln, exactly or not at all.
 
 - config.json <-> ModelArgs: transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) configs,
   rope types `default` and `llama3`, tied embeddings, `head_dim`, `rms_norm_eps`. Anything kiln's Llama cannot
@@ -11,6 +11,14 @@
 - The tokenizer: tokenizer.json (byte-level BPE, Llama 3's split pattern, the merges recovered from the tiktoken
   ranks) and tokenizer_config.json, so `AutoTokenizer.from_pretrained` encodes as kiln's Tokenizer;
   generation_config.json with kiln's bos/eos ids.
+
+- Qwen3 (model_type qwen3, qwen3_moe): the Llama names plus self_attn.q_norm / k_norm (their weights permuted per
+  head like q/k's rows: the norm acts over head_dim before RoPE, in the same layout as the rows), and the MoE FFN:
+  mlp.gate (the router) and the routed experts. transformers 5 holds the experts fused per layer,
+  mlp.experts.gate_up_proj [E, 2 x hidden, dim] (gate rows, then up rows) and mlp.experts.down_proj [E, dim, hidden]
+  (kiln_to_hf / hf_to_kiln give and take that layout); its safetensors files, and the hub's, hold them per expert,
+  mlp.experts.N.{gate,up,down}_proj.weight (hf_to_kiln takes those too). Other MoE families (Mixtral, DeepSeek, ...)
+  are refused. kiln's expert_bias has no counterpart: zero on import, and a non-zero one refuses the export.
 
 Used by scripts/convert_hf.py and by the Trainer's `checkpoint.initial_load_path`. No transformers import.
 """
@@ -56,7 +64,35 @@ LAYER_KEYS = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-_FROM_HF_LAYER = {v: k for k, v in LAYER_KEYS.items()}
+# Qwen3's additions (kiln name -> HF name, per layer). The fused experts are handled by name in kiln_to_hf.
+QWEN3_LAYER_KEYS = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.experts.w2": "mlp.experts.down_proj",
+}
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # kiln's moe.experts.w1 (gate) and w3 (up), stacked on dim 1
+EXPERT_BIAS = "moe.expert_bias"
+# The hub's (and transformers' save_pretrained's) per-expert names -> kiln's 3-D weight each is a slice of.
+_PER_EXPERT = {"gate_proj": "moe.experts.w1", "up_proj": "moe.experts.w3", "down_proj": "moe.experts.w2"}
+# Mixture-of-experts families whose routers or experts differ from Qwen3-MoE's: refused by name.
+OTHER_MOE_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "olmoe",
+    "dbrx",
+    "jamba",
+    "granitemoe",
+    "phimoe",
+    "gpt_oss",
+    "llama4",
+    "glm4_moe",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+)
+_FROM_HF_LAYER = {v: k for k, v in (LAYER_KEYS | QWEN3_LAYER_KEYS).items()}
 _FROM_HF_TOP = {v: k for k, v in TOP_KEYS.items()}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -85,6 +121,8 @@ def hf_name(key: str, args: ModelArgs) -> str | None:
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
     if m and m.group(2) in LAYER_KEYS:
         return f"model.layers.{m.group(1)}.{LAYER_KEYS[m.group(2)]}"
+    if m and m.group(2) in QWEN3_LAYER_KEYS:
+        return f"model.layers.{m.group(1)}.{QWEN3_LAYER_KEYS[m.group(2)]}"
     if key in TOP_KEYS:
         return TOP_KEYS[key]
     if key == "output.weight":
@@ -93,11 +131,13 @@ def hf_name(key: str, args: ModelArgs) -> str | None:
 
 
 def to_hf_tensor(key: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """kiln weight `key` in HF's layout (q/k rows permuted per head), contiguous."""
+    """kiln weight `key` in HF's layout (q/k rows permuted per head, q/k norms within their head), contiguous."""
     if key.endswith("attention.wq.weight"):
         w = permute_to_hf(w, args.n_heads)
     elif key.endswith("attention.wk.weight"):
         w = permute_to_hf(w, kv_heads(args))
+    elif key.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        w = permute_to_hf(w[:, None], 1)[:, 0]
     return w.contiguous()
 
 
@@ -112,7 +152,7 @@ def kiln_name(key: str) -> str | None:
         return "output.weight"
     if key.endswith("rotary_emb.inv_freq"):
         return None
-    raise ConfigError(f"Hugging Face weight '{key}' has no kiln Llama3 counterpart")
+    raise ConfigError(f"Hugging Face weight '{key}' has no kiln Llama3 / Qwen3 counterpart")
 
 
 def from_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -121,26 +161,67 @@ def from_hf_tensor(name: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
         w = permute_from_hf(w, args.n_heads)
     elif name.endswith("attention.wk.weight"):
         w = permute_from_hf(w, kv_heads(args))
+    elif name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        w = permute_from_hf(w[:, None], 1)[:, 0]
     return w.contiguous()
 
 
+def _refuse_expert_bias(key: str, w: torch.Tensor) -> None:
+    """A non-zero expert bias changes which experts a token meets; transformers' Qwen3-MoE has none."""
+    if bool(w.ne(0).any()):
+        raise ConfigError(
+            f"kiln weight '{key}' is non-zero (auxiliary-loss-free balancing moved the routing): transformers' "
+            "Qwen3-MoE routes without a bias, so the exported model would choose other experts"
+        )
+
+
 def kiln_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """kiln model state dict -> HF LlamaForCausalLM state dict (new tensors, same dtype)."""
+    """kiln model state dict -> the state dict of transformers' LlamaForCausalLM, Qwen3ForCausalLM or
+    Qwen3MoeForCausalLM (new tensors, same dtype; a Qwen3-MoE's experts fused as transformers 5 holds them)."""
     out = {}
     for key, w in sd.items():
-        name = hf_name(key, args)
-        if name is not None:
-            out[name] = to_hf_tensor(key, w, args)
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+        sub = m.group(2) if m else ""
+        if sub == EXPERT_BIAS:
+            _refuse_expert_bias(key, w)
+        elif sub == "moe.experts.w1":  # gate rows first, then up: transformers' chunk(2) order
+            up = sd[f"layers.{m.group(1)}.moe.experts.w3"]  # type: ignore[union-attr]
+            out[f"model.layers.{m.group(1)}.{FUSED_GATE_UP}"] = torch.cat([w, up], dim=1)  # type: ignore[union-attr]
+        elif sub != "moe.experts.w3":
+            name = hf_name(key, args)
+            if name is not None:
+                out[name] = to_hf_tensor(key, w, args)
     return out
 
 
 def hf_to_kiln(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM state dict -> kiln model state dict (inverse of kiln_to_hf)."""
-    out = {}
+    """A transformers Llama / Qwen3 / Qwen3-MoE state dict -> kiln model state dict (inverse of kiln_to_hf); a
+    Qwen3-MoE's experts fused (transformers 5 in memory) or per expert (the safetensors files)."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
     for key, w in sd.items():
-        name = kiln_name(key)
-        if name is not None:
-            out[name] = from_hf_tensor(name, w, args)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
+        layer, sub = (m.group(1), m.group(2)) if m else ("", "")
+        e = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", sub)
+        if sub == FUSED_GATE_UP:
+            out[f"layers.{layer}.moe.experts.w1"], out[f"layers.{layer}.moe.experts.w3"] = (
+                t.contiguous() for t in w.chunk(2, dim=1)
+            )
+        elif e:
+            per_expert.setdefault(f"layers.{layer}.{_PER_EXPERT[e.group(2)]}", {})[int(e.group(1))] = w
+        else:
+            name = kiln_name(key)
+            if name is not None:
+                out[name] = from_hf_tensor(name, w, args)
+    for name, experts in per_expert.items():
+        if sorted(experts) != list(range(args.moe_num_experts)):
+            raise ConfigError(f"{name}: the Hugging Face weights hold experts {sorted(experts)[:8]}..., not 0..E-1")
+        out[name] = torch.stack([experts[i] for i in range(args.moe_num_experts)])
+    for layer in range(args.n_layers if args.moe else 0):
+        ref = out.get(f"layers.{layer}.moe.router.gate.weight")
+        out[f"layers.{layer}.{EXPERT_BIAS}"] = torch.zeros(
+            args.moe_num_experts, device=ref.device if ref is not None else None
+        )
     if args.tie_word_embeddings or "output.weight" not in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -149,13 +230,13 @@ def hf_to_kiln(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
 # ----------------------------------------------------------------------------- config.json
 
 
-def _refuse(where: str, field: str, value: Any, why: str) -> ConfigError:
+def _refuse(where: str, field: str, value: Any, why: str, family: str = "Llama") -> ConfigError:
     try:
         shown = json.dumps(value)
     except (TypeError, ValueError, RecursionError):
         shown = repr(value)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ConfigError(f"{where}: {field} = {shown}: {why}; kiln's Llama cannot compute it exactly")
+    return ConfigError(f"{where}: {field} = {shown}: {why}; kiln's {family} cannot compute it exactly")
 
 
 def _rope(cfg: dict, where: str) -> dict[str, Any]:
@@ -216,85 +297,142 @@ def _number(cfg: dict, key: str, where: str, default: Any = None, kind: type = i
     return value
 
 
+# model_type -> (the architecture it converts, what kiln's model of it is called in a refusal)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "Llama"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3-MoE"),
+}
+
+
 def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
-    """ModelArgs computing exactly what transformers' LlamaForCausalLM computes with config `cfg`, or a
-    ConfigError naming the field that kiln cannot represent. Missing keys take LlamaConfig's defaults. Every
-    value is type- and range-checked (check_model_fields) before kiln divides by a head count."""
+    """ModelArgs computing exactly what transformers' LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM
+    computes with config `cfg`, or a ConfigError naming the field that kiln cannot represent. Missing keys take
+    the transformers config's defaults. Every value is type- and range-checked (check_model_fields) before kiln
+    divides by a head count."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: not a JSON object (a Hugging Face config.json holds one)")
-    if cfg.get("model_type") != "llama":
-        raise _refuse(where, "model_type", cfg.get("model_type"), "not a Llama model")
-    if cfg.get("architectures") not in (None, ["LlamaForCausalLM"]):
-        raise _refuse(where, "architectures", cfg["architectures"], "kiln converts LlamaForCausalLM only")
-    for field, ok in (
+    kind = cfg.get("model_type")
+    if kind in OTHER_MOE_TYPES:
+        raise _refuse(
+            where, "model_type", kind, "a mixture-of-experts family kiln does not implement (kiln's is qwen3_moe)"
+        )
+    if kind not in FAMILIES:
+        raise _refuse(where, "model_type", kind, "not a Llama, Qwen3 or Qwen3-MoE model")
+    arch, family = FAMILIES[kind]
+    if cfg.get("architectures") not in (None, [arch]):
+        raise _refuse(where, "architectures", cfg["architectures"], f"kiln converts {arch} only", family)
+    llama = kind == "llama"
+    checks: tuple[tuple[str, Any], ...] = (
         ("attention_bias", False),
-        ("mlp_bias", False),
         ("hidden_act", "silu"),
-        ("sliding_window", None),
-        ("use_sliding_window", False),
         ("attention_dropout", 0.0),
-        ("pretraining_tp", 1),
-    ):
+        ("use_sliding_window", False),
+    )
+    # Qwen3 ignores sliding_window unless use_sliding_window (its hub configs carry one); Llama has no such switch.
+    checks += (("mlp_bias", False), ("sliding_window", None), ("pretraining_tp", 1)) if llama else ()
+    for field, ok in checks:
         if cfg.get(field, ok) != ok:
-            raise _refuse(where, field, cfg[field], f"kiln's Llama has {field} = {json.dumps(ok)}")
+            raise _refuse(where, field, cfg[field], f"kiln's {family} has {field} = {json.dumps(ok)}", family)
+    layer_types = cfg.get("layer_types")
+    if not llama and layer_types is not None and set(layer_types) != {"full_attention"}:
+        raise _refuse(where, "layer_types", layer_types, "kiln's Qwen3 attends in full in every layer", family)
     dim, heads = _number(cfg, "hidden_size", where), _number(cfg, "num_attention_heads", where)
     inter, layers = _number(cfg, "intermediate_size", where), _number(cfg, "num_hidden_layers", where)
     vocab = _number(cfg, "vocab_size", where)
     kv = cfg.get("num_key_value_heads")
     kv = heads if kv is None else _number(cfg, "num_key_value_heads", where)
-    context = _number(cfg, "max_position_embeddings", where, 2048)
-    eps = _number(cfg, "rms_norm_eps", where, 1e-6, float)  # LlamaConfig's default
+    context = _number(cfg, "max_position_embeddings", where, 2048 if llama else 32768)
+    eps = _number(cfg, "rms_norm_eps", where, 1e-6, float)  # LlamaConfig's and Qwen3Config's default
     tied = cfg.get("tie_word_embeddings", False)
     if type(tied) is not bool:
-        raise _refuse(where, "tie_word_embeddings", tied, "not true or false")
+        raise _refuse(where, "tie_word_embeddings", tied, "not true or false", family)
     fields = {"dim": dim, "n_heads": heads, "n_kv_heads": kv, "n_layers": layers, "vocab_size": vocab}
     fields |= {"multiple_of": inter, "norm_eps": eps, "context_len": context, "max_seq_len": context}
+    hf_names = {
+        "dim": "hidden_size",
+        "n_heads": "num_attention_heads",
+        "n_kv_heads": "num_key_value_heads",
+        "n_layers": "num_hidden_layers",
+        "multiple_of": "intermediate_size",
+        "norm_eps": "rms_norm_eps",
+        "context_len": "max_position_embeddings",
+        "max_seq_len": "max_position_embeddings",
+    }
     try:
         check_model_fields(fields, where)
     except ConfigError as e:  # name the config.json key, not kiln's field
-        hf_names = {
-            "dim": "hidden_size",
-            "n_heads": "num_attention_heads",
-            "n_kv_heads": "num_key_value_heads",
-            "n_layers": "num_hidden_layers",
-            "multiple_of": "intermediate_size",
-            "norm_eps": "rms_norm_eps",
-            "context_len": "max_position_embeddings",
-            "max_seq_len": "max_position_embeddings",
-        }
         message = str(e)
         for ours, theirs in hf_names.items():
             message = message.replace(f"model {ours} ", f"{theirs} ")
         raise ConfigError(message) from None
-    if dim % heads:
-        raise _refuse(where, "num_attention_heads", heads, f"does not divide hidden_size {dim}")
-    if cfg.get("head_dim") not in (None, dim // heads):
-        raise _refuse(where, "head_dim", cfg["head_dim"], f"kiln's head_dim is hidden_size / heads = {dim // heads}")
     if heads % kv:
-        raise _refuse(where, "num_key_value_heads", kv, f"does not divide num_attention_heads {heads}")
-    base = int(2 * 4 * dim / 3)
+        raise _refuse(where, "num_key_value_heads", kv, f"does not divide num_attention_heads {heads}", family)
+    if llama:
+        if dim % heads:
+            raise _refuse(where, "num_attention_heads", heads, f"does not divide hidden_size {dim}")
+        if cfg.get("head_dim") not in (None, dim // heads):
+            raise _refuse(
+                where, "head_dim", cfg["head_dim"], f"kiln's head_dim is hidden_size / heads = {dim // heads}"
+            )
+        base = int(2 * 4 * dim / 3)
+        shape: dict[str, Any] = {
+            "multiple_of": inter,  # rounds the (scaled) 8/3*dim up to exactly `inter`
+            "ffn_dim_multiplier": None if base <= inter else inter / base,
+        }
+    else:
+        # Qwen3Config defaults head_dim to 128; Qwen3MoeConfig has none (the model uses hidden_size / heads).
+        default_head = 128 if kind == "qwen3" else (dim // heads if dim % heads == 0 else None)
+        head_dim = _number(cfg, "head_dim", where, default_head)
+        shape = {"head_dim": head_dim, "qk_norm": True, "ffn_dim": inter}
+        if kind == "qwen3_moe":
+            shape |= _qwen3_moe(cfg, where, layers)
     args = ModelArgs(
         dim=dim,
         n_layers=layers,
         n_heads=heads,
         n_kv_heads=kv,
         vocab_size=vocab,
-        multiple_of=inter,  # rounds the (scaled) 8/3*dim up to exactly `inter`
-        ffn_dim_multiplier=None if base <= inter else inter / base,
         norm_eps=float(eps),
         max_seq_len=context,
         context_len=context,
         tie_word_embeddings=tied,
+        **shape,
         **_rope(cfg, where),
     )
-    args.check_fields(where)  # the rope values too
+    args.check_fields(where)  # the rope and Qwen3 values too
+    if args.head_dim is not None and args.head_dim % 2:
+        raise _refuse(where, "head_dim", args.head_dim, "RoPE rotates pairs: an odd head_dim", family)
     assert ffn_hidden_dim(args) == inter, (ffn_hidden_dim(args), inter)
     return args
 
 
+def _qwen3_moe(cfg: dict, where: str, layers: int) -> dict[str, Any]:
+    """ModelArgs' MoE fields of a qwen3_moe config: an MoE FFN in every layer, softmax top-k routing."""
+    step = _number(cfg, "decoder_sparse_step", where, 1)
+    if step != 1:
+        raise _refuse(where, "decoder_sparse_step", step, "kiln's Qwen3-MoE has an MoE FFN in every layer", "Qwen3-MoE")
+    if cfg.get("mlp_only_layers") not in (None, []):
+        raise _refuse(
+            where, "mlp_only_layers", cfg["mlp_only_layers"], "kiln's Qwen3-MoE has no dense layers", "Qwen3-MoE"
+        )
+    # transformers 5 writes num_local_experts (num_experts its alias); the hub and transformers 4 num_experts.
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    experts = _number(cfg, key, where, 128)
+    top_k = _number(cfg, "num_experts_per_tok", where, 8)
+    hidden = _number(cfg, "moe_intermediate_size", where, 768)
+    norm = cfg.get("norm_topk_prob", False)
+    if type(norm) is not bool:
+        raise _refuse(where, "norm_topk_prob", norm, "not true or false", "Qwen3-MoE")
+    if experts < 1:
+        raise _refuse(where, key, experts, "an MoE needs at least one expert", "Qwen3-MoE")
+    return {"moe_num_experts": experts, "moe_top_k": top_k, "moe_hidden_dim": hidden, "moe_route_norm": norm}
+
+
 def hf_config(args: ModelArgs, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """config.json for transformers' LlamaForCausalLM, read the same by transformers 4 (rope_theta,
-    rope_scaling, torch_dtype) and 5 (rope_parameters, dtype)."""
+    rope_scaling, torch_dtype) and 5 (rope_parameters, dtype); for a Qwen3 (qk_norm) Qwen3ForCausalLM or, with
+    experts, Qwen3MoeForCausalLM. A kiln model transformers cannot compute is a ConfigError."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
     if args.rope_scaling:
         rope = {
@@ -306,7 +444,7 @@ def hf_config(args: ModelArgs, dtype: str, bos_id: int | None = None, eos_id: in
             "original_max_position_embeddings": int(args.rope_original_max_seq_len),
         }
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling else None
-    return {
+    out = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -314,7 +452,7 @@ def hf_config(args: ModelArgs, dtype: str, bos_id: int | None = None, eos_id: in
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": kv_heads(args),
-        "head_dim": args.dim // args.n_heads,
+        "head_dim": args.resolved_head_dim(),
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_parameters": rope,
@@ -330,6 +468,41 @@ def hf_config(args: ModelArgs, dtype: str, bos_id: int | None = None, eos_id: in
         "eos_token_id": eos_id,
         "dtype": dtype,
         "torch_dtype": dtype,
+    }
+    return _qwen3_config(args, out) if args.qk_norm or args.moe else out
+
+
+def _qwen3_config(args: ModelArgs, llama: dict[str, Any]) -> dict[str, Any]:
+    """The Llama config.json turned into Qwen3's (or Qwen3-MoE's): its own head_dim, full attention, q/k norms."""
+    if not args.qk_norm:
+        raise ConfigError("an MoE without qk_norm has no transformers counterpart (Qwen3-MoE normalises q and k)")
+    if args.rope_scaling:
+        raise ConfigError("kiln exports Qwen3 with rope type default only")
+    drop = ("mlp_bias", "rope_scaling")
+    out = {k: v for k, v in llama.items() if k not in drop} | {"head_dim": args.resolved_head_dim()}
+    out |= {"use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * args.n_layers}
+    if not args.moe:
+        return out | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    refused = [
+        ("moe_score_func", args.moe_score_func != "softmax"),
+        ("moe_route_scale", args.moe_route_scale != 1.0),
+        ("moe_shared_hidden_dim", args.moe_shared_hidden_dim != 0),
+    ]
+    for field, differs in refused:
+        if differs:
+            raise ConfigError(
+                f"model {field} {getattr(args, field)!r}: transformers' Qwen3-MoE routes by softmax, unscaled, "
+                "without shared experts; the export would compute another model"
+            )
+    return out | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": args.moe_num_experts,
+        "num_experts_per_tok": args.moe_top_k,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "norm_topk_prob": args.moe_route_norm,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
     }
 
 

@@ -1,0 +1,200 @@
+"""The mixture-of-experts FFN: a router, grouped routed experts, optional shared experts. Dropless.
+
+Per token the router scores every expert (softmax or sigmoid of a bias-free Linear), picks the top k by score plus
+`expert_bias` (DeepSeek-V3's auxiliary-loss-free balancing: the bias moves the choice, never the weights), and
+weighs the k experts' outputs by their scores (renormalised to sum 1 with `route_norm`, times `route_scale`).
+Every token reaches its k experts: there is no capacity and nothing is dropped.
+
+The routed experts' weights are 3-D parameters [E, out, in] (nn.Linear's layout per expert, so FSDP and expert
+parallelism shard dim 0, the experts): w1 and w3 [E, hidden, dim], w2 [E, dim, hidden]. The (token, expert) pairs
+are sorted by expert and computed with `torch._grouped_mm` over the experts' contiguous row groups where it runs
+(`grouped_mm_runs`), else with a loop over the experts; the two give the same result.
+
+Balancing, read by the training step after the forward (nothing here changes the step):
+- `tokens_per_expert` (buffer [E], float32): (token, expert) pairs routed to each expert since `reset_counts`;
+  the step all-reduces it and calls `update_expert_bias` after each optimizer step.
+- `router_stats`: the last forward's (counts [E], summed router probabilities [E], tokens), from which
+  `load_balance_loss` computes transformers' Qwen3-MoE auxiliary loss over all MoE layers of a model.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.args import ModelArgs
+from models.init import ParamInit, trunc
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """One MoE layer's routing in one forward: what the auxiliary balance loss needs."""
+
+    counts: torch.Tensor  # [E] float32, (token, expert) pairs routed to each expert; no gradient
+    prob_sum: torch.Tensor  # [E] float32, the router's probabilities summed over the tokens; carries the gradient
+    tokens: int
+
+
+def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm computes on these operands: bf16 on CUDA, float32 or bf16 on CPU (torch 2.13),
+    with every row 16-byte aligned (the kernels' stride rule: dim and hidden multiples of 8 in bf16, 4 in fp32)."""
+    ok_dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)
+    if x.device.type not in ("cpu", "cuda") or x.dtype not in ok_dtypes:
+        return False
+    return all(w.dtype == x.dtype and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) for w in weights)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts, w2(silu(w1 x) * w3 x) each, applied to tokens grouped by expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (rows, dim): rows sorted by expert, `counts` [E] int64 of them per expert -> (rows, dim)."""
+        if self.use_grouped_mm and grouped_mm_runs(x, self.w1, self.w2, self.w3):
+            return self._grouped(x, counts)
+        return self._loop(x, counts)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # offs: each group's end row, on the device: no host sync (the loop's .tolist() is one).
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            out.append(F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e]))
+        return torch.cat(out)
+
+
+class TokenChoiceRouter(nn.Module):
+    """Scores each token against every expert and picks its top k ("token choice")."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_norm: bool, scale: float):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, scale
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> (weights (tokens, k), experts (tokens, k) int64, probabilities (tokens, E) float32).
+
+        `expert_bias` [E] is added to the scores for the choice only: the weights are the unbiased scores."""
+        logits = self.gate(x).float()  # float32 routing, as transformers does, whatever the compute dtype
+        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        _, experts = torch.topk(scores + expert_bias, self.top_k, dim=-1)
+        weights = scores.gather(-1, experts)
+        if self.route_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # The balance loss wants a distribution per token; sigmoid scores are normalised into one.
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return weights * self.route_scale, experts, probs
+
+
+class MoE(nn.Module):
+    """Router + grouped experts (+ shared experts): x (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+
+    def __init__(self, args: ModelArgs, shared_experts: nn.Module | None = None) -> None:
+        """`shared_experts`: a SwiGLU every token passes through besides its routed experts (None: none; the
+        block builds it, width args.moe_shared_hidden_dim, and owns its init)."""
+        super().__init__()
+        n = args.moe_num_experts
+        self.router = TokenChoiceRouter(
+            args.dim, n, args.moe_top_k, args.moe_score_func, args.moe_route_norm, args.moe_route_scale
+        )
+        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, n, args.moe_grouped_mm)
+        self.shared_experts = shared_experts
+        # float32 whatever the model's dtype: the bias is updated by small steps, the counts may be large.
+        self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(n, dtype=torch.float32), persistent=False)
+        self.router_stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, dim = x.shape
+        x = x.reshape(-1, dim)
+        weights, experts, probs = self.router(x, self.expert_bias)
+        flat = experts.reshape(-1)  # (tokens * k,): pair j is token j // k's (j % k)-th choice
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=x.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # bincount without a host sync
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts)
+        self.router_stats = RouterStats(counts.float(), probs.sum(dim=0), x.shape[0])
+        # Sort the pairs by expert (stable: within an expert, in token order), run each expert on its rows, weigh
+        # each row by its routing weight and add it back to its token.
+        order = torch.argsort(flat, stable=True)
+        token = order // self.router.top_k
+        out = self.experts(x[token], counts)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        y = torch.zeros_like(x).index_add(0, token, out)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(bs, seqlen, dim)
+
+    @staticmethod
+    def param_inits(init_std: float) -> dict[str, ParamInit]:
+        """The router's and routed experts' inits, as the dense FFN's: w1 (and the router) std 0.02, w2 and w3 the
+        depth-scaled init_std (the shared experts' are the block's: a dense FFN's)."""
+        return {
+            "router.gate.weight": trunc(0.02),
+            "experts.w1": trunc(0.02),
+            "experts.w2": trunc(init_std),
+            "experts.w3": trunc(init_std),
+        }
+
+    def init_buffers(self) -> None:
+        """Zero the expert bias and the counts (a meta-built model holds no values)."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+
+    def reset_counts(self) -> None:
+        with torch.no_grad():
+            self.tokens_per_expert.zero_()
+
+
+def expert_bias_step(counts: torch.Tensor, coeff: float) -> torch.Tensor:
+    """The auxiliary-loss-free balancing step of DeepSeek-V3 (as torchtitan applies it): each expert's bias moves
+    by `coeff` towards balance, up when it got fewer tokens than the mean, down when more (sign(mean - count)),
+    then the step is centred (mean 0) so that the biases do not drift together. `counts` [E]: the tokens routed to
+    each expert, summed over all ranks. A uniform scale of the counts (all layers recomputed under activation
+    checkpointing count twice) does not change the step."""
+    counts = counts.float()
+    step = coeff * torch.sign(counts.mean() - counts)
+    return step - step.mean()
+
+
+@torch.no_grad()
+def update_expert_bias(moe: MoE, coeff: float, counts: torch.Tensor | None = None) -> None:
+    """After the optimizer step: expert_bias += expert_bias_step(counts, coeff), then reset the counts. `counts`:
+    the all-reduced tokens_per_expert (default: this rank's)."""
+    moe.expert_bias.add_(expert_bias_step(moe.tokens_per_expert if counts is None else counts, coeff))
+    moe.reset_counts()
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every MoE FFN of `model`, in module order (through AC and compile wrappers)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def load_balance_loss(model: nn.Module) -> torch.Tensor | None:
+    """The auxiliary balance loss of the last forward, as transformers' Qwen3-MoE computes it
+    (load_balancing_loss_func, the Switch Transformer loss): over all L MoE layers together,
+    E * sum_e f_e * P_e with f_e the (token, expert) pairs routed to e over L * tokens, and P_e the router
+    probability of e summed over layers and tokens over L * tokens. It is not the mean of per-layer losses: the
+    layers' counts and probabilities are pooled first. None for a model without MoE layers (or before a forward)."""
+    stats = [m.router_stats for m in moe_layers(model)]
+    if not stats or any(s is None for s in stats):
+        return None
+    rows = sum(s.tokens for s in stats if s is not None)
+    f = torch.stack([s.counts for s in stats if s is not None]).sum(0) / rows
+    p = torch.stack([s.prob_sum for s in stats if s is not None]).sum(0) / rows
+    return f.numel() * (f * p).sum()
