@@ -189,12 +189,17 @@ class TransformerBlock(nn.Module):
             out |= {f"feed_forward.{k}": v for k, v in FeedForward.param_inits(std).items()}
         return out | {"attention_norm.weight": ParamInit("ones"), "ffn_norm.weight": ParamInit("ones")}
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
-        """x: (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (bs, seqlen, dim) -> (bs, seqlen, dim); an MoE block also returns its routing statistics
+        (models/moe.py ROUTER_STATS), as an output so that compile and activation checkpointing capture them."""
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
-        ffn = self.moe if self.moe is not None else self.feed_forward
-        assert ffn is not None
-        return h + ffn(self.ffn_norm(h))
+        if self.moe is not None:
+            out, stats = self.moe(self.ffn_norm(h))
+            return h + out, stats
+        assert self.feed_forward is not None
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -221,6 +226,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so it is neither checkpointed nor sharded.
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        # The last forward's routing statistics, one [2, E] tensor per MoE block held here, in layer order
+        # (models/moe.py load_balance_loss); empty for a dense model.
+        self.router_stats: list[torch.Tensor] = []
 
     def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
         args = self.model_args
@@ -314,7 +322,14 @@ class Transformer(nn.Module):
         if positions is not None and positions.dim() == 2:
             positions = positions[0]
         freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
+        stats = []
         for layer in self.layers.values():
-            h = layer(h, freqs_cis, attention_mask)
+            out = layer(h, freqs_cis, attention_mask)
+            if isinstance(out, tuple):  # an MoE block
+                h, routed = out
+                stats.append(routed)
+            else:
+                h = out
+        self.router_stats = stats  # eager, outside the compiled and checkpointed blocks
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -12,12 +12,16 @@ are sorted by expert and computed with `torch._grouped_mm` over the experts' con
 
 Balancing, read by the training step after the forward (nothing here changes the step):
 - `tokens_per_expert` (buffer [E], float32): (token, expert) pairs routed to each expert since `reset_counts`;
-  the step all-reduces it and calls `update_expert_bias` after each optimizer step.
-- `router_stats`: the last forward's (counts [E], summed router probabilities [E], tokens), from which
-  `load_balance_loss` computes transformers' Qwen3-MoE auxiliary loss over all MoE layers of a model.
+  the step all-reduces it and calls `update_expert_bias` after each optimizer step. An in-place buffer update:
+  torch.compile (fullgraph, also of a checkpointed block) captures it. Eager activation checkpointing replays it
+  in the recompute, doubling the counts of a recomputed layer; the bias step is unchanged by that (it depends on
+  the counts' signs against their mean only), and so is max/mean.
+- The routing statistics: MoE.forward returns them beside its output, as a tensor (ROUTER_STATS rows), and the
+  block passes them on; Transformer.forward collects them in eager code (`Transformer.router_stats`), from which
+  `load_balance_loss` computes transformers' Qwen3-MoE auxiliary loss over all MoE layers. A tensor output, not
+  an attribute set inside the layer: a Python side effect inside a checkpointed block is refused by
+  torch.compile(fullgraph=True) ("unsafe side effect" in the checkpoint operator), an output is not.
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,19 +31,18 @@ from models.args import ModelArgs
 from models.init import ParamInit, trunc
 
 
-@dataclass(frozen=True)
-class RouterStats:
-    """One MoE layer's routing in one forward: what the auxiliary balance loss needs."""
-
-    counts: torch.Tensor  # [E] float32, (token, expert) pairs routed to each expert; no gradient
-    prob_sum: torch.Tensor  # [E] float32, the router's probabilities summed over the tokens; carries the gradient
-    tokens: int
+# One MoE layer's routing in one forward, a [2, E] float32 tensor: row 0 the fraction of the tokens routed to each
+# expert (no gradient; sums to top_k), row 1 the router's probability of each expert averaged over the tokens
+# (carries the gradient; sums to 1). What the auxiliary balance loss needs.
+ROUTER_STATS = ("fraction_routed", "mean_probability")
 
 
 def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm computes on these operands: bf16 on CUDA, float32 or bf16 on CPU (torch 2.13),
-    with every row 16-byte aligned (the kernels' stride rule: dim and hidden multiples of 8 in bf16, 4 in fp32)."""
-    ok_dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)
+    """Whether torch._grouped_mm computes on these operands: bf16 on CUDA, float32 or bf16 on CPU (torch 2.13;
+    under torch.compile bf16 only: its meta kernel refuses float32), with every row 16-byte aligned (the kernels'
+    stride rule: dim and hidden multiples of 8 in bf16, 4 in fp32)."""
+    bf16_only = x.device.type == "cuda" or torch.compiler.is_compiling()
+    ok_dtypes = (torch.bfloat16,) if bf16_only else (torch.float32, torch.bfloat16)
     if x.device.type not in ("cpu", "cuda") or x.dtype not in ok_dtypes:
         return False
     return all(w.dtype == x.dtype and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) for w in weights)
@@ -116,9 +119,10 @@ class MoE(nn.Module):
         # float32 whatever the model's dtype: the bias is updated by small steps, the counts may be large.
         self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(n, dtype=torch.float32), persistent=False)
-        self.router_stats: RouterStats | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (bs, seqlen, dim) -> (output (bs, seqlen, dim), this forward's routing statistics [2, E]
+        (ROUTER_STATS))."""
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
         weights, experts, probs = self.router(x, self.expert_bias)
@@ -127,7 +131,7 @@ class MoE(nn.Module):
         counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # bincount without a host sync
         with torch.no_grad():
             self.tokens_per_expert.add_(counts)
-        self.router_stats = RouterStats(counts.float(), probs.sum(dim=0), x.shape[0])
+        stats = torch.stack([counts.float() / x.shape[0], probs.mean(dim=0)])
         # Sort the pairs by expert (stable: within an expert, in token order), run each expert on its rows, weigh
         # each row by its routing weight and add it back to its token.
         order = torch.argsort(flat, stable=True)
@@ -137,7 +141,7 @@ class MoE(nn.Module):
         y = torch.zeros_like(x).index_add(0, token, out)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y.view(bs, seqlen, dim)
+        return y.view(bs, seqlen, dim), stats
 
     @staticmethod
     def param_inits(init_std: float) -> dict[str, ParamInit]:
@@ -185,16 +189,13 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def load_balance_loss(model: nn.Module) -> torch.Tensor | None:
-    """The auxiliary balance loss of the last forward, as transformers' Qwen3-MoE computes it
-    (load_balancing_loss_func, the Switch Transformer loss): over all L MoE layers together,
-    E * sum_e f_e * P_e with f_e the (token, expert) pairs routed to e over L * tokens, and P_e the router
-    probability of e summed over layers and tokens over L * tokens. It is not the mean of per-layer losses: the
-    layers' counts and probabilities are pooled first. None for a model without MoE layers (or before a forward)."""
-    stats = [m.router_stats for m in moe_layers(model)]
-    if not stats or any(s is None for s in stats):
+def load_balance_loss(router_stats: list[torch.Tensor]) -> torch.Tensor | None:
+    """The auxiliary balance loss of one forward's MoE layers (`Transformer.router_stats`), as transformers'
+    Qwen3-MoE computes it (load_balancing_loss_func, the Switch Transformer loss): over all L layers together,
+    E * sum_e f_e * P_e with f_e the fraction of (token, expert) pairs routed to e and P_e the router probability
+    of e, each averaged over tokens and layers. Pooled first, so not the mean of per-layer losses (their sum of
+    products differs from this product of sums). None without MoE layers."""
+    if not router_stats:
         return None
-    rows = sum(s.tokens for s in stats if s is not None)
-    f = torch.stack([s.counts for s in stats if s is not None]).sum(0) / rows
-    p = torch.stack([s.prob_sum for s in stats if s is not None]).sum(0) / rows
+    f, p = torch.stack(router_stats).mean(dim=0)
     return f.numel() * (f * p).sum()

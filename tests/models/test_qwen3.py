@@ -23,7 +23,16 @@ from kiln_base.errors import ConfigError
 from models import QWEN3_FLAVORS, ModelArgs, Transformer, active_params, flops_per_token, num_params
 from models.args import model_signature, stored_model_args
 from models.moe import MoE, expert_bias_step, grouped_mm_runs, load_balance_loss, update_expert_bias
-from trainer.checkpoint.hf import args_from_hf_config, hf_config, hf_to_kiln, kiln_to_hf
+from trainer.checkpoint.hf import (
+    args_from_hf_config,
+    hf_config,
+    hf_to_kiln,
+    iter_hf_as_kiln,
+    kiln_to_hf,
+    read_hf_args,
+    save_hf_weights,
+    write_json,
+)
 
 VOCAB = 128
 BASE = {
@@ -115,22 +124,44 @@ def test_kiln_to_hf_logits_equal(case: str) -> None:
     assert model_signature(args_from_hf_config(cfg, "exported config.json")) == model_signature(args)
 
 
-def test_saved_hf_folder_per_expert_weights() -> None:
-    """transformers' save_pretrained (like the hub's files) stores each expert's weights apart: hf_to_kiln stacks
-    them into kiln's 3-D experts."""
+def test_hf_folders_both_ways() -> None:
+    """Folders: transformers' save_pretrained (per-expert safetensors, as on the hub) -> iter_hf_as_kiln; kiln ->
+    save_hf_weights + hf_config -> transformers' from_pretrained. Both compute transformers' logits."""
     hf = hf_model(True)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         stored = load_file(os.path.join(d, "model.safetensors"))
-    assert (
-        "model.layers.0.mlp.experts.3.up_proj.weight" in stored
-        and "model.layers.0.mlp.experts.gate_up_proj" not in stored
-    )
-    args = args_from_hf_config(hf.config.to_dict(), "config.json")
-    kiln = Transformer(args)
-    kiln.load_state_dict(hf_to_kiln(stored, args), strict=True)
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored
+        args = read_hf_args(d)
+        kiln = Transformer(args)
+        kiln.load_state_dict(dict(iter_hf_as_kiln(d, args)), strict=True)
+        assert hf_to_kiln(stored, args).keys() == kiln.state_dict().keys()
     with torch.no_grad():
-        torch.testing.assert_close(kiln.eval()(TOKENS), hf(TOKENS).logits, **TOL)
+        kiln.layers["1"].moe.experts.w3.mul_(2)  # a kiln model of its own, to export  # type: ignore[union-attr]
+    with tempfile.TemporaryDirectory() as d:
+        sd = kiln.state_dict()
+        files = save_hf_weights(
+            {k: (tuple(v.shape), v.dtype) for k, v in sd.items()},
+            lambda ks: {k: sd[k] for k in ks},
+            args,
+            d,
+            None,
+            max_shard_bytes=20_000,
+        )
+        assert len(files) > 1  # sharded: the per-expert tensors of one kiln weight may land in several files
+        write_json(os.path.join(d, "config.json"), hf_config(args, "float32"))
+        exported = Qwen3MoeForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(kiln.eval()(TOKENS), exported(TOKENS).logits, **TOL)
+
+
+def test_a_moved_expert_bias_refuses_the_export() -> None:
+    args = args_from_hf_config(hf_model(True).config.to_dict(), "config.json")
+    kiln = Transformer(args)
+    kiln.init_weights()
+    kiln.layers["0"].moe.expert_bias[1] = 1e-3  # type: ignore[union-attr,index]
+    with pytest.raises(ConfigError, match=r"'layers.0.moe.expert_bias' is non-zero"):
+        kiln_to_hf(kiln.state_dict(), args)
 
 
 def test_aux_loss_and_gradients_equal_transformers() -> None:
@@ -140,7 +171,7 @@ def test_aux_loss_and_gradients_equal_transformers() -> None:
     kiln = kiln_from(hf).train()
     out = hf(TOKENS, output_router_logits=True)
     logits = kiln(TOKENS)
-    aux = load_balance_loss(kiln)
+    aux = load_balance_loss(kiln.router_stats)
     assert aux is not None
     torch.testing.assert_close(aux, out.aux_loss, **TOL)
     targets = torch.roll(TOKENS, -1, 1)
@@ -210,9 +241,10 @@ def test_grouped_mm_equals_loop_values_and_grads() -> None:
     real = torch._grouped_mm
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-        y1 = grouped(x.clone().requires_grad_())
+        y1, s1 = grouped(x.clone().requires_grad_())
     assert len(calls) == 3
-    y2 = loop(x.clone().requires_grad_())
+    y2, s2 = loop(x.clone().requires_grad_())
+    torch.testing.assert_close(s1, s2)
     torch.testing.assert_close(y1, y2, **TOL)
     g = torch.randn_like(y1)
     (y1 * g).sum().backward()
@@ -227,7 +259,7 @@ def test_dropless_every_token_reaches_its_k_experts() -> None:
     layer = moe_layer()
     x = torch.randn(3, 10, 32)
     layer.expert_bias.copy_(torch.tensor([0.0, 100.0, 100.0, 0.0]))  # every token chooses experts 1 and 2
-    y = layer(x)
+    y, _ = layer(x)
     assert layer.tokens_per_expert.tolist() == [0.0, 30.0, 30.0, 0.0]
     layer(x[:, :4])
     assert layer.tokens_per_expert.sum().item() == (30 + 12) * 2  # counts accumulate: tokens x k
@@ -331,3 +363,39 @@ def test_flavors_build_and_match_transformers_and_the_model_cards() -> None:
         second = active_params(model) if args.moe else total - tables
         for ours, card in zip((total, second), CARDS[name]):
             assert abs(ours / 1e9 - card) / card < 0.02, (name, ours, card)
+
+
+def test_routing_statistics_survive_compile_of_checkpointed_blocks() -> None:
+    """Blocks compiled with fullgraph=True over activation checkpointing (parallelisms/' order) give the eager
+    aux loss, gradients and counts: the statistics are block outputs and the counts a buffer update, no Python
+    side effect (an attribute set in the layer is refused there). bf16: torch._grouped_mm's meta kernel, which
+    compile traces, takes bf16 only."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    args = dataclasses.replace(MOE_ARGS, n_layers=2, moe_shared_hidden_dim=0, max_seq_len=16)
+    tokens = TOKENS[:, :16]
+
+    def run(compiled: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        model = Transformer(args)
+        model.init_weights()
+        model.to(torch.bfloat16)
+        for name, block in list(model.layers.items()):
+            if compiled:
+                block = torch.compile(checkpoint_wrapper(block), backend="aot_eager", fullgraph=True)
+            model.layers[name] = block
+        logits = model(tokens)
+        aux = load_balance_loss(model.router_stats)
+        assert aux is not None
+        (logits.float().logsumexp(-1).mean() + 0.1 * aux).backward()
+        counts = [m.tokens_per_expert.sum().item() for m in model.modules() if isinstance(m, MoE)]
+        return aux.detach(), [p.grad for p in model.parameters() if p.grad is not None], counts
+
+    torch._dynamo.reset()
+    aux, grads, counts = run(False)
+    aux_c, grads_c, counts_c = run(True)
+    torch.testing.assert_close(aux_c, aux)
+    assert len(grads_c) == len(grads) == len(list(Transformer(args).parameters()))
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)
+    assert counts_c == counts == [tokens.numel() * 2.0] * 2

@@ -201,14 +201,13 @@ def hf_to_kiln(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     per_expert: dict[str, dict[int, torch.Tensor]] = {}
     for key, w in sd.items():
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
-        layer, sub = (m.group(1), m.group(2)) if m else ("", "")
-        e = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", sub)
-        if sub == FUSED_GATE_UP:
-            out[f"layers.{layer}.moe.experts.w1"], out[f"layers.{layer}.moe.experts.w3"] = (
-                t.contiguous() for t in w.chunk(2, dim=1)
-            )
-        elif e:
-            per_expert.setdefault(f"layers.{layer}.{_PER_EXPERT[e.group(2)]}", {})[int(e.group(1))] = w
+        expert = _per_expert(key)
+        if m and m.group(2) == FUSED_GATE_UP:
+            gate, up = w.chunk(2, dim=1)
+            out[f"layers.{m.group(1)}.moe.experts.w1"] = gate.contiguous()
+            out[f"layers.{m.group(1)}.moe.experts.w3"] = up.contiguous()
+        elif expert is not None:
+            per_expert.setdefault(expert[0], {})[expert[1]] = w
         else:
             name = kiln_name(key)
             if name is not None:
@@ -584,23 +583,56 @@ def _reading(path: str) -> Iterator[None]:
 
 def kiln_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """The shape of every kiln weight of a model with `args` (models/llama3.py's layout), known before a byte of a
-    weight file is read."""
-    head = args.dim // args.n_heads
+    weight file is read. An MoE's expert_bias is a buffer, in no Hugging Face file: not listed."""
+    head = args.resolved_head_dim()
     q, kv, ffn = args.n_heads * head, kv_heads(args) * head, ffn_hidden_dim(args)
-    layer = {
+    layer: dict[str, tuple[int, ...]] = {
         "attention.wq.weight": (q, args.dim),
         "attention.wk.weight": (kv, args.dim),
         "attention.wv.weight": (kv, args.dim),
         "attention.wo.weight": (args.dim, q),
-        "feed_forward.w1.weight": (ffn, args.dim),
-        "feed_forward.w3.weight": (ffn, args.dim),
-        "feed_forward.w2.weight": (args.dim, ffn),
         "attention_norm.weight": (args.dim,),
         "ffn_norm.weight": (args.dim,),
     }
+    if args.qk_norm:
+        layer |= {"attention.q_norm.weight": (head,), "attention.k_norm.weight": (head,)}
+    if args.moe:
+        e, h = args.moe_num_experts, args.moe_hidden_dim
+        layer |= {
+            "moe.router.gate.weight": (e, args.dim),
+            "moe.experts.w1": (e, h, args.dim),
+            "moe.experts.w3": (e, h, args.dim),
+            "moe.experts.w2": (e, args.dim, h),
+        }
+    else:
+        layer |= {
+            "feed_forward.w1.weight": (ffn, args.dim),
+            "feed_forward.w3.weight": (ffn, args.dim),
+            "feed_forward.w2.weight": (args.dim, ffn),
+        }
     out = {f"layers.{i}.{k}": v for i in range(args.n_layers) for k, v in layer.items()}
     out |= {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
     return out | {"output.weight": (args.vocab_size, args.dim)}
+
+
+def _file_entries(key: str, args: ModelArgs) -> list[str]:
+    """The names kiln weight `key` is stored under in a Hugging Face safetensors file: one, or a routed expert
+    weight's E per-expert names (the hub's layout, which transformers' save_pretrained writes), or none (a tied
+    output; an expert bias, which must be zero: kiln_to_hf)."""
+    m = re.fullmatch(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)", key)
+    if m:
+        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[m.group(2)]
+        return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight" for e in range(args.moe_num_experts)]
+    if key.endswith(EXPERT_BIAS):
+        return []
+    name = hf_name(key, args)
+    return [] if name is None else [name]
+
+
+def _per_expert(key: str) -> tuple[str, int] | None:
+    """(kiln name, expert) of an HF per-expert weight name, else None."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", key)
+    return (f"layers.{m.group(1)}.{_PER_EXPERT[m.group(3)]}", int(m.group(2))) if m else None
 
 
 HF_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
@@ -616,23 +648,27 @@ def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.T
     by_file: dict[str, list[str]] = {}
     for name, path in hf_weight_files(folder).items():
         by_file.setdefault(path, []).append(name)
+    # A routed expert weight arrives as E per-expert tensors, possibly across files: held until all are read.
+    pending: dict[str, dict[int, torch.Tensor]] = {}
     for path, names in sorted(by_file.items()):
         with _reading(path), safe_open(path, framework="pt") as f:
             for key in names:
+                expert = _per_expert(key) if args.moe else None
                 try:
-                    kiln = kiln_name(key)
+                    kiln = expert[0] if expert is not None else kiln_name(key)
                 except ConfigError as e:
                     raise ConfigError(f"{path}: {e}") from None
                 if kiln is None:
                     continue
                 stored = tuple(f.get_slice(key).get_shape())
-                if kiln not in shapes:
+                if kiln not in shapes or (expert is not None and expert[1] >= args.moe_num_experts):
                     raise ConfigError(
                         f"{path}: weight '{key}' is not part of the model of {CONFIG} ({args.n_layers} layers)"
                     )
-                if stored != shapes[kiln]:
+                want = shapes[kiln][1:] if expert is not None else shapes[kiln]
+                if stored != want:
                     raise ConfigError(
-                        f"{path}: weight '{key}' has shape {stored}, but the model of {CONFIG} has {shapes[kiln]}"
+                        f"{path}: weight '{key}' has shape {stored}, but the model of {CONFIG} has {want}"
                     )
                 dtype = f.get_slice(key).get_dtype()
                 if dtype not in HF_FLOAT_DTYPES:  # copied into float weights, an int64 norm would load silently
@@ -640,7 +676,19 @@ def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.T
                         f"{path}: weight '{key}' is stored as {dtype}; a model weight must be a float "
                         f"({', '.join(HF_FLOAT_DTYPES)})"
                     )
-                yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
+                if expert is None:
+                    yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
+                    continue
+                got = pending.setdefault(kiln, {})
+                got[expert[1]] = f.get_tensor(key)
+                if len(got) == args.moe_num_experts:
+                    yield kiln, torch.stack([got[i] for i in range(args.moe_num_experts)])
+                    del pending[kiln]
+    for kiln, got in sorted(pending.items()):
+        lacking = sorted(set(range(args.moe_num_experts)) - set(got))
+        raise ConfigError(f"{folder}: no weight for expert {lacking[0]} of kiln's '{kiln}'")
+    for layer in range(args.n_layers if args.moe else 0):  # kiln's balancing state, which HF has none of
+        yield f"layers.{layer}.{EXPERT_BIAS}", torch.zeros(args.moe_num_experts)
 
 
 def save_hf_weights(
@@ -656,17 +704,19 @@ def save_hf_weights(
     dtype); `load(names)` returns those kiln tensors. One shard's tensors are in memory at a time."""
     from safetensors.torch import save_file
 
-    plan: list[list[tuple[str, str]]] = [[]]
+    plan: list[list[tuple[str, list[str]]]] = [[]]
     size = total = 0
     for key, (shape, saved_dtype) in keys.items():
-        name = hf_name(key, args)
-        if name is None:
+        if key.endswith(EXPERT_BIAS):
+            _refuse_expert_bias(key, load([key])[key])
+        stored = _file_entries(key, args)
+        if not stored:
             continue
         n = torch.Size(shape).numel() * (dtype or saved_dtype).itemsize
         if plan[-1] and size + n > max_shard_bytes:
             plan.append([])
             size = 0
-        plan[-1].append((key, name))
+        plan[-1].append((key, stored))
         size, total = size + n, total + n
     n = len(plan)
     names = [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -674,10 +724,13 @@ def save_hf_weights(
     for file, shard in zip(names, plan):
         tensors = load([k for k, _ in shard])
         out = {}
-        for key, name in shard:
-            w = to_hf_tensor(key, tensors.pop(key), args)
-            out[name] = w.to(dtype) if dtype is not None else w
-            weight_map[name] = file
+        for key, stored in shard:
+            w = tensors.pop(key)
+            parts = [to_hf_tensor(key, w, args)] if len(stored) == 1 and w.dim() < 3 else list(w.unbind(0))
+            for name, part in zip(stored, parts, strict=True):
+                part = part.contiguous()
+                out[name] = part.to(dtype) if dtype is not None else part
+                weight_map[name] = file
         refuse_link(os.path.join(out_dir, file))  # safetensors opens by name: no link may redirect it
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
         os.chmod(os.path.join(out_dir, file), 0o666 & ~_umask())  # safetensors creates its files 0600
