@@ -30,7 +30,6 @@ from torch import nn
 from models.args import ModelArgs
 from models.init import ParamInit, trunc
 
-
 # One MoE layer's routing in one forward, a [2, E] float32 tensor: row 0 the fraction of the tokens routed to each
 # expert (no gradient; sums to top_k), row 1 the router's probability of each expert averaged over the tokens
 # (carries the gradient; sums to 1). What the auxiliary balance loss needs.
@@ -105,6 +104,9 @@ class TokenChoiceRouter(nn.Module):
 
 class MoE(nn.Module):
     """Router + grouped experts (+ shared experts): x (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+
+    expert_bias: torch.Tensor  # [E] float32, persistent (checkpointed): the routing choice's bias
+    tokens_per_expert: torch.Tensor  # [E] float32, not persistent: pairs routed to each expert since reset_counts
 
     def __init__(self, args: ModelArgs, shared_experts: nn.Module | None = None) -> None:
         """`shared_experts`: a SwiGLU every token passes through besides its routed experts (None: none; the

@@ -21,7 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from kiln_base.errors import ConfigError
 from models import QWEN3_FLAVORS, ModelArgs, Transformer, active_params, flops_per_token, num_params
-from models.args import model_signature, stored_model_args
+from models.args import first_difference, model_signature, stored_model_args
 from models.moe import MoE, expert_bias_step, grouped_mm_runs, load_balance_loss, update_expert_bias
 from trainer.checkpoint.hf import (
     args_from_hf_config,
@@ -126,8 +126,10 @@ def test_kiln_to_hf_logits_equal(case: str) -> None:
 
 def test_hf_folders_both_ways() -> None:
     """Folders: transformers' save_pretrained (per-expert safetensors, as on the hub) -> iter_hf_as_kiln; kiln ->
-    save_hf_weights + hf_config -> transformers' from_pretrained. Both compute transformers' logits."""
-    hf = hf_model(True)
+    save_hf_weights + hf_config -> transformers' from_pretrained. Both compute transformers' logits. 12 experts:
+    their names sort as text (10 before 2), so only stacking by expert number gives the right order."""
+    torch.manual_seed(0)
+    hf = sharpen(Qwen3MoeForCausalLM(Qwen3MoeConfig(**BASE, **{**MOE, "num_experts": 12})))
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         stored = load_file(os.path.join(d, "model.safetensors"))
@@ -136,6 +138,8 @@ def test_hf_folders_both_ways() -> None:
         kiln = Transformer(args)
         kiln.load_state_dict(dict(iter_hf_as_kiln(d, args)), strict=True)
         assert hf_to_kiln(stored, args).keys() == kiln.state_dict().keys()
+    with torch.no_grad():
+        torch.testing.assert_close(kiln.eval()(TOKENS), hf(TOKENS).logits, **TOL)
     with torch.no_grad():
         kiln.layers["1"].moe.experts.w3.mul_(2)  # a kiln model of its own, to export  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory() as d:
@@ -372,7 +376,7 @@ def test_routing_statistics_survive_compile_of_checkpointed_blocks() -> None:
     compile traces, takes bf16 only."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    args = dataclasses.replace(MOE_ARGS, n_layers=2, moe_shared_hidden_dim=0, max_seq_len=16)
+    args = dataclasses.replace(MOE_ARGS, moe_shared_hidden_dim=0, max_seq_len=16)
     tokens = TOKENS[:, :16]
 
     def run(compiled: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[float]]:
@@ -398,4 +402,20 @@ def test_routing_statistics_survive_compile_of_checkpointed_blocks() -> None:
     assert len(grads_c) == len(grads) == len(list(Transformer(args).parameters()))
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b)
-    assert counts_c == counts == [tokens.numel() * 2.0] * 2
+    assert counts_c == counts == [tokens.numel() * 2.0]
+
+
+def test_model_signature_tells_the_new_fields_apart() -> None:
+    moe = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], vocab_size=VOCAB)
+    assert first_difference(moe, dataclasses.replace(moe, moe_top_k=3)) == ("moe_top_k", 2, 3)
+    assert first_difference(moe, dataclasses.replace(moe, moe_route_norm=False)) == ("moe_route_norm", True, False)
+    assert first_difference(moe, dataclasses.replace(moe, moe_grouped_mm=False)) is None  # a kernel, same model
+    dense = dataclasses.replace(QWEN3_FLAVORS["debugmodel"], vocab_size=VOCAB)
+    assert first_difference(dense, dataclasses.replace(dense, qk_norm=False)) == ("qk_norm", True, False)
+    assert first_difference(dense, dataclasses.replace(dense, head_dim=64)) == ("head_dim", 32, 64)
+    assert first_difference(dense, dataclasses.replace(dense, moe_top_k=4)) is None  # unused by a dense model
+    # head_dim None is dim // n_heads: the same model as saying so.
+    llama = ModelArgs(dim=64, n_heads=4, vocab_size=VOCAB)
+    assert first_difference(llama, dataclasses.replace(llama, head_dim=16)) is None
+    with pytest.raises(ConfigError, match="kiln.json: model moe_top_k must be"):
+        stored_model_args({**dataclasses.asdict(moe), "moe_top_k": 0}, "kiln.json")
