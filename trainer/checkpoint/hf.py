@@ -365,8 +365,6 @@ def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
         for ours, theirs in hf_names.items():
             message = message.replace(f"model {ours} ", f"{theirs} ")
         raise ConfigError(message) from None
-    if heads % kv:
-        raise _refuse(where, "num_key_value_heads", kv, f"does not divide num_attention_heads {heads}", family)
     if llama:
         if dim % heads:
             raise _refuse(where, "num_attention_heads", heads, f"does not divide hidden_size {dim}")
@@ -374,6 +372,9 @@ def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
             raise _refuse(
                 where, "head_dim", cfg["head_dim"], f"kiln's head_dim is hidden_size / heads = {dim // heads}"
             )
+    if heads % kv:
+        raise _refuse(where, "num_key_value_heads", kv, f"does not divide num_attention_heads {heads}", family)
+    if llama:
         base = int(2 * 4 * dim / 3)
         shape: dict[str, Any] = {
             "multiple_of": inter,  # rounds the (scaled) 8/3*dim up to exactly `inter`
@@ -385,7 +386,7 @@ def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
         head_dim = _number(cfg, "head_dim", where, default_head)
         shape = {"head_dim": head_dim, "qk_norm": True, "ffn_dim": inter}
         if kind == "qwen3_moe":
-            shape |= _qwen3_moe(cfg, where, layers)
+            shape |= _qwen3_moe(cfg, where)
     args = ModelArgs(
         dim=dim,
         n_layers=layers,
@@ -406,7 +407,7 @@ def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
     return args
 
 
-def _qwen3_moe(cfg: dict, where: str, layers: int) -> dict[str, Any]:
+def _qwen3_moe(cfg: dict, where: str) -> dict[str, Any]:
     """ModelArgs' MoE fields of a qwen3_moe config: an MoE FFN in every layer, softmax top-k routing."""
     step = _number(cfg, "decoder_sparse_step", where, 1)
     if step != 1:
