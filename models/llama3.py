@@ -212,6 +212,8 @@ class Transformer(nn.Module):
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer) before building")
         if args.head_dim is None and args.dim % args.n_heads != 0:
             raise ValueError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
+        if args.head_dim is not None and args.head_dim % 2:
+            raise ValueError(f"head_dim {args.head_dim} is odd: RoPE rotates pairs")
         if args.n_kv_heads is not None and args.n_heads % args.n_kv_heads != 0:
             raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
         if (args.attn_type, args.attn_mask_type) not in SUPPORTED:

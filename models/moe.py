@@ -81,7 +81,7 @@ class GroupedExperts(nn.Module):
 class TokenChoiceRouter(nn.Module):
     """Scores each token against every expert and picks its top k ("token choice")."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_norm: bool, scale: float):
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_norm: bool, scale: float) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.top_k = num_experts, top_k

@@ -180,14 +180,13 @@ def kiln_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     Qwen3MoeForCausalLM (new tensors, same dtype; a Qwen3-MoE's experts fused as transformers 5 holds them)."""
     out = {}
     for key, w in sd.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        sub = m.group(2) if m else ""
+        layer, _, sub = key.removeprefix("layers.").partition(".") if key.startswith("layers.") else ("", "", "")
         if sub == EXPERT_BIAS:
             _refuse_expert_bias(key, w)
         elif sub == "moe.experts.w1":  # gate rows first, then up: transformers' chunk(2) order
-            up = sd[f"layers.{m.group(1)}.moe.experts.w3"]  # type: ignore[union-attr]
-            out[f"model.layers.{m.group(1)}.{FUSED_GATE_UP}"] = torch.cat([w, up], dim=1)  # type: ignore[union-attr]
-        elif sub != "moe.experts.w3":
+            up = sd[f"layers.{layer}.moe.experts.w3"]
+            out[f"model.layers.{layer}.{FUSED_GATE_UP}"] = torch.cat([w, up], dim=1)
+        elif sub != "moe.experts.w3":  # w3 went out with w1
             name = hf_name(key, args)
             if name is not None:
                 out[name] = to_hf_tensor(key, w, args)
