@@ -5,6 +5,7 @@ the small debug model, and Trainers that are always closed. The same helpers are
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
 # terminal would (an exec'd child gets the default action for a signal caught here, but keeps an ignored one).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Under pytest-xdist each worker is one of several test processes sharing the cores: one intra-op thread each, as
+# the spawned ranks have (tests/helpers/distributed.py), so idle OpenMP threads do not spin against the other worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
