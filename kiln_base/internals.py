@@ -749,3 +749,9 @@ def bound_pipeline_waits(group: dist.ProcessGroup) -> None:
             w.wait(pg_timeout(group))
 
     schedules._wait_batch_p2p = wait
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm (private in torch 2.11 and 2.13): rows of `a` (rows, k) split at the end offsets `offs`
+    (int32, one per group), group g times b[g] (k, n) -> (rows, n). The MoE experts' kernel (models/moe.py)."""
+    return torch._grouped_mm(a, b, offs=offs)

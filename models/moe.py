@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln_base.internals import grouped_mm
 from models.args import ModelArgs
 from models.init import ParamInit, trunc
 
@@ -67,9 +68,9 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # offs: each group's end row, on the device: no host sync (the loop's .tolist() is one).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
-        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        h = F.silu(grouped_mm(x, self.w1.transpose(-2, -1), offs))
+        h = h * grouped_mm(x, self.w3.transpose(-2, -1), offs)
+        return grouped_mm(h, self.w2.transpose(-2, -1), offs)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         out = []
