@@ -12,9 +12,7 @@ from typing import Any
 from kiln_base.config import (
     ATTENTION_VARIANTS,
     BASE_FLAVORS,
-    MODEL_FIELDS,
     ModelShape,
-    Range,
     attention_flavor,
     check_model_fields,
 )
@@ -78,8 +76,8 @@ class ModelArgs:
         )
 
     def check_fields(self, where: str) -> None:
-        """Every field of the right type and in range (check_fields), ConfigError if not."""
-        check_fields({f.name: getattr(self, f.name) for f in fields(self)}, where)
+        """Every field of the right type and in range (kiln_base.config.check_model_fields), ConfigError if not."""
+        check_model_fields({f.name: getattr(self, f.name) for f in fields(self)}, where)
 
     @property
     def moe(self) -> bool:
@@ -87,60 +85,6 @@ class ModelArgs:
 
     def resolved_head_dim(self) -> int:
         return self.dim // self.n_heads if self.head_dim is None else self.head_dim
-
-
-# The Qwen3 fields' types and ranges, as kiln_base.config.MODEL_FIELDS holds the Llama 3 fields'. They live here
-# until the config learns the Qwen3 family (kiln_base/config is not changed by the model layer); check_fields
-# checks both tables, so every source of a ModelArgs (flavor, config.json, kiln.json) is checked for all fields.
-_SIZE = Range(lo=1, hi=2**31 - 1)
-QWEN3_FIELDS: dict[str, tuple[str, Range | None]] = {
-    "head_dim": ("int or null", _SIZE),
-    "qk_norm": ("bool", None),
-    "ffn_dim": ("int or null", _SIZE),
-    "moe_num_experts": ("int", Range(lo=0, hi=2**31 - 1)),
-    "moe_top_k": ("int", _SIZE),
-    "moe_hidden_dim": ("int", Range(lo=0, hi=2**31 - 1)),
-    "moe_shared_hidden_dim": ("int", Range(lo=0, hi=2**31 - 1)),
-    "moe_score_func": ("str", None),
-    "moe_route_norm": ("bool", None),
-    "moe_route_scale": ("number", Range(lo=0, lo_open=True)),
-    "moe_grouped_mm": ("bool", None),
-}
-SCORE_FUNCS = ("softmax", "sigmoid")
-
-
-def _of_type(value: Any, kind: str) -> bool:
-    if value is None:
-        return kind.endswith("or null")
-    if kind.startswith("int"):
-        return type(value) is int
-    if kind.startswith("number"):
-        return type(value) in (int, float)
-    if kind.startswith("str"):
-        return type(value) is str
-    return type(value) is bool
-
-
-def check_fields(values: Mapping[str, Any], where: str) -> None:
-    """Each ModelArgs field in `values` of its type and in its range: the Llama 3 fields by
-    kiln_base.config.check_model_fields, the Qwen3 fields by QWEN3_FIELDS (same messages), and an MoE's experts
-    and top k consistent. ConfigError naming `where` and the field."""
-    check_model_fields({k: v for k, v in values.items() if k in MODEL_FIELDS or k not in QWEN3_FIELDS}, where)
-    for name, value in values.items():
-        if name not in QWEN3_FIELDS:
-            continue
-        kind, valid = QWEN3_FIELDS[name]
-        if not _of_type(value, kind):
-            raise ConfigError(f"{where}: model {name} must be {'an' if kind[0] == 'i' else 'a'} {kind}, got {value!r}")
-        if valid is not None and value is not None and not valid.contains(value):
-            raise ConfigError(f"{where}: model {name} must be {valid.describe(value)}, got {value!r}")
-    if values.get("moe_score_func", "softmax") not in SCORE_FUNCS:
-        raise ConfigError(f"{where}: model moe_score_func must be one of {', '.join(SCORE_FUNCS)}")
-    experts = values.get("moe_num_experts", 0)
-    if experts > 0 and not values.get("moe_top_k", 1) <= experts:
-        raise ConfigError(f"{where}: model moe_top_k {values.get('moe_top_k')} exceeds moe_num_experts {experts}")
-    if experts > 0 and values.get("moe_hidden_dim", 0) < 1:
-        raise ConfigError(f"{where}: model moe_hidden_dim must be >= 1 with moe_num_experts {experts}")
 
 
 def stored_model_args(saved: Any, where: str) -> ModelArgs:
@@ -152,7 +96,7 @@ def stored_model_args(saved: Any, where: str) -> ModelArgs:
     unknown = sorted(str(k) for k in set(saved) - known)
     if unknown:
         raise ConfigError(f"{where} has model_args.{unknown[0]}, unknown to this kiln")
-    check_fields(saved, where)
+    check_model_fields(saved, where)
     return ModelArgs(**saved)
 
 

@@ -357,10 +357,23 @@ MODEL_FIELDS: dict[str, tuple[str, Range | None]] = {
     "attn_type": ("str", None),
     "attn_mask_type": ("str", None),
     "bos_id": ("int or null", Range(lo=0, hi=2**31 - 1)),
+    # Qwen3: per-head q/k norm, a head_dim of its own, an explicit FFN width; mixture of experts (0 experts: dense).
+    "head_dim": ("int or null", Range(lo=1, hi=2**31 - 1)),
+    "qk_norm": ("bool", None),
+    "ffn_dim": ("int or null", Range(lo=1, hi=2**31 - 1)),
+    "moe_num_experts": ("int", Range(lo=0, hi=2**31 - 1)),
+    "moe_top_k": ("int", Range(lo=1, hi=2**31 - 1)),
+    "moe_hidden_dim": ("int", Range(lo=0, hi=2**31 - 1)),
+    "moe_shared_hidden_dim": ("int", Range(lo=0, hi=2**31 - 1)),
+    "moe_score_func": ("str", None),
+    "moe_route_norm": ("bool", None),
+    "moe_route_scale": ("number", Range(lo=0, lo_open=True)),
+    "moe_grouped_mm": ("bool", None),
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
     "attn_type": ("sdpa", "flex", "varlen"),
     "attn_mask_type": ("causal", "block_causal"),
+    "moe_score_func": ("softmax", "sigmoid"),
 }
 
 
@@ -399,6 +412,11 @@ def check_model_fields(values: Mapping[str, Any], where: str) -> None:
             f"{where}: rope scaling needs rope_high_freq_factor > rope_low_freq_factor (it divides by their "
             f"difference), got {values.get('rope_high_freq_factor')} and {values.get('rope_low_freq_factor')}"
         )
+    experts = values.get("moe_num_experts", 0)
+    if experts > 0 and not values.get("moe_top_k", 1) <= experts:
+        raise ConfigError(f"{where}: model moe_top_k {values.get('moe_top_k')} exceeds moe_num_experts {experts}")
+    if experts > 0 and values.get("moe_hidden_dim", 0) < 1:
+        raise ConfigError(f"{where}: model moe_hidden_dim must be >= 1 with moe_num_experts {experts}")
 
 
 def check_overrides_match_stored(m: Model, stored: Mapping[str, Any], source: str) -> None:

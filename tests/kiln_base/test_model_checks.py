@@ -23,14 +23,12 @@ from kiln_base.config import (
 )
 from kiln_base.errors import ConfigError
 from models import LLAMA3_FLAVORS, ModelArgs, Transformer, num_params
-from models.args import QWEN3_FIELDS, stored_model_args
+from models.args import stored_model_args
 from tests.helpers.common import HANG_TIMEOUT_S, ROOT, tiny_run_args
 
 
 def test_every_model_field_has_a_type_and_range() -> None:
-    # The Qwen3 fields' table lives in models/args.py until the config learns the family.
-    assert set(MODEL_FIELDS) | set(QWEN3_FIELDS) == {f.name for f in dataclasses.fields(ModelArgs)}
-    assert not set(MODEL_FIELDS) & set(QWEN3_FIELDS)
+    assert set(MODEL_FIELDS) == {f.name for f in dataclasses.fields(ModelArgs)}
     for name, args in LLAMA3_FLAVORS.items():
         args = dataclasses.replace(args, vocab_size=128256)
         args.check_fields(f"flavor {name}")  # every shipped flavor passes
