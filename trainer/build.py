@@ -35,7 +35,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from kiln_base.config import (
     Training,
     check_model_memory,
     check_model_shape,
+    check_moe_balance,
     check_overrides_match_stored,
     check_parallel_plan,
     check_pipeline_device,
@@ -67,7 +68,7 @@ from kiln_base.config import (
 from kiln_base.errors import ConfigError
 from kiln_base.files import writable_dir_problem
 from kiln_base.internals import pipeline_warmup_sends_to_own_rank
-from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, num_params
+from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, moe_layers, num_params
 from models.args import first_difference
 from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from parallelisms.context_parallel import ContextParallel, build_context_parallel
@@ -94,6 +95,7 @@ from trainer.data.tokens import (
 from trainer.evaluation.downstream import DownstreamEval
 from trainer.evaluation.validate import Validator
 from trainer.step.guards import NonFiniteGuard, NonFiniteSkip
+from trainer.step.moe_balance import MoEBalance
 from trainer.step.step import PipelineStep, StepWrapper, TrainStep
 
 logger = logging.getLogger("kiln")
@@ -128,6 +130,7 @@ def model_args(
         args = dataclasses.replace(source.args, max_seq_len=seq_len, bos_id=bos_id)
         args.check_fields(source.path)
         check_model_shape(m, args.shape(), tokenizer_words, source.path)
+        check_moe_balance(m, args.moe_num_experts, source.path)
         return args
     overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
     args = dataclasses.replace(
@@ -136,6 +139,7 @@ def model_args(
     )
     args.check_fields(f"flavor {m.flavor} + model.* overrides")
     check_model_shape(m, args.shape(), tokenizer_words)
+    check_moe_balance(m, args.moe_num_experts, f"flavor {m.flavor}")
     if source is not None:
         check_same_model(m.flavor, source.path, first_difference(source.args, args))
     return args
@@ -369,7 +373,28 @@ def step(
         model=built.model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, dims=dims,
         grad_accum_steps=plan.grad_accum_steps, loss_fn=loss_fn, amp=amp, loss_parallel=vocab_sharded, cp=built.cp,
         max_norm=t.max_norm, device=device, float8=float8, pipeline=pipeline,
+        wrappers=[moe_balance(cfg.model, built, dims, device)] if built.args.moe else [],
     )  # fmt: skip
+
+
+def moe_balance(m: Model, built: BuiltModel, dims: ParallelDims, device: torch.device) -> MoEBalance:
+    """An MoE model's load balancing (trainer/step/moe_balance.py): the aux loss from the whole model's router
+    statistics (refused under pipeline parallelism), the counts summed over the ranks holding different tokens."""
+    bias, aux = m.moe_load_balance_coeff, m.moe_aux_loss_coeff
+    logger.info(
+        f"MoE load balancing: expert bias {f'step {bias}' if bias else 'off'} (model.moe_load_balance_coeff), "
+        f"aux loss {f'x {aux}' if aux else 'off'} (model.moe_aux_loss_coeff); logged: moe_imbalance"
+        + (", aux_loss" if aux else "")
+    )
+    return MoEBalance(
+        moe_layers(built.model),
+        bias_coeff=m.moe_load_balance_coeff,
+        aux_coeff=m.moe_aux_loss_coeff,
+        device=device,
+        model=cast(Transformer, built.model) if built.pipeline is None else None,
+        count_group=dims.loss_mesh.get_group() if dims.dp_enabled or dims.cp_enabled else None,
+        pp_group=dims.pp_group,
+    )
 
 
 def wrap_step(cfg: JobConfig, plan: RunPlan, step: TrainStep, state: TrainState) -> NonFiniteGuard:
@@ -395,7 +420,7 @@ def wrap_step(cfg: JobConfig, plan: RunPlan, step: TrainStep, state: TrainState)
         )
         guard = skip
         wrappers.append(skip)
-    step.wrappers = wrappers
+    step.wrappers = [*wrappers, *step.wrappers]  # the step phase's own (an MoE's balancing) run last
     return guard
 
 

@@ -223,7 +223,8 @@ class MetricsHook(StepHook):
         loss = self.global_mean(out.loss)
         self.losses.append(loss)
         shown = None if val is None else (val.loss, val.perplexity)
-        self.metrics.log(out.step, self.total_steps, loss, out.grad_norm.item(), float(out.lr), shown)
+        scalars = {name: self.global_mean(value) for name, value in out.scalars.items()}  # as the loss
+        self.metrics.log(out.step, self.total_steps, loss, out.grad_norm.item(), float(out.lr), shown, scalars)
 
 
 class CheckpointHook(StepHook):

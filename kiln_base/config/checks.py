@@ -76,6 +76,7 @@ def check_config_alone(cfg: JobConfig) -> None:
         _check_fault_tolerance(cfg, check_environment=not cfg.job.dry_run and not cfg.job.print_config)
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline_flags(cfg)
+    _check_moe_balance_flags(cfg)
     _check(
         not cfg.checkpoint.create_seed_checkpoint or cfg.checkpoint.enable_checkpoint,
         "checkpoint.create_seed_checkpoint writes step-0 into the checkpoint folder; "
@@ -287,6 +288,31 @@ def _check_diloco(ft: FaultTolerance) -> None:
     )
 
 
+def _check_moe_balance_flags(cfg: JobConfig) -> None:
+    """What MoE load balancing (trainer/step/moe_balance.py) cannot be combined with."""
+    aux, bias, p = cfg.model.moe_aux_loss_coeff, cfg.model.moe_load_balance_coeff, cfg.parallelism
+    # The loss is read from the model after each micro-batch's forward; a pipeline's schedule runs the forward
+    # and backward of every stage itself, with the last stage's loss only.
+    _check(
+        not aux or p.pipeline_parallel_degree == 1,
+        f"model.moe_aux_loss_coeff {aux} with {PP}degree {p.pipeline_parallel_degree}: the pipeline's schedule "
+        "backpropagates the last stage's loss only; use model.moe_load_balance_coeff (the expert bias) instead",
+    )
+    # The aux loss pools the router statistics over the micro-batch's tokens; a CP rank holds part of each sequence.
+    _check(
+        not aux or p.context_parallel_degree == 1,
+        f"model.moe_aux_loss_coeff {aux} with parallelism.context_parallel_degree {p.context_parallel_degree}: the "
+        "aux loss pools each micro-batch's router statistics, which context parallelism splits over ranks; use "
+        "model.moe_load_balance_coeff (the expert bias) instead",
+    )
+    _check(
+        not bias or not cfg.fault_tolerance.enable,
+        f"model.moe_load_balance_coeff {bias} with fault_tolerance.enable: the expert bias is updated from one "
+        "replica group's counts and would drift apart between groups; set it to 0 (model.moe_aux_loss_coeff "
+        "balances through the averaged gradients)",
+    )
+
+
 def _check_pipeline_flags(cfg: JobConfig) -> None:
     """What pipelining cannot be combined with, and its micro-batches (the split needs the model's shape:
     check_pipeline)."""
@@ -417,6 +443,16 @@ def check_model_fields(values: Mapping[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: model moe_top_k {values.get('moe_top_k')} exceeds moe_num_experts {experts}")
     if experts > 0 and values.get("moe_hidden_dim", 0) < 1:
         raise ConfigError(f"{where}: model moe_hidden_dim must be >= 1 with moe_num_experts {experts}")
+
+
+def check_moe_balance(m: Model, experts: int, where: str) -> None:
+    """The MoE balancing keys need routed experts: a dense shape (`experts` 0, of `where`) refuses them."""
+    for key in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
+        value = getattr(m, key)
+        _check(
+            not value or experts > 0,
+            f"model.{key} {value} balances a mixture of experts, but {where} is dense (no MoE layers); set it to 0",
+        )
 
 
 def check_overrides_match_stored(m: Model, stored: Mapping[str, Any], source: str) -> None:

@@ -159,6 +159,23 @@ class Model:
     multiple_of: int | None = _f(
         None, "Override the flavor's FFN rounding: the hidden size is a multiple of this.", valid=AT_LEAST_1
     )
+    # Mixture-of-experts load balancing (docs/moe.md): training settings, not the model's shape; a dense model
+    # refuses them (check_moe_balance).
+    moe_load_balance_coeff: float = _f(
+        0.0,
+        "MoE: the auxiliary-loss-free balancing step (DeepSeek-V3; torchtitan's load_balance_coeff, 1e-3 there): "
+        "after each optimizer step each expert's routing bias moves by this towards balance, from the "
+        "tokens-per-expert counts summed over the data-parallel ranks. 0 = off (the bias stays 0; a non-zero bias "
+        "has no Hugging Face counterpart, so it refuses the HF export).",
+        valid=AT_LEAST_0,
+    )
+    moe_aux_loss_coeff: float = _f(
+        0.0,
+        "MoE: the auxiliary balance loss (transformers' Qwen3-MoE load_balancing_loss_func, router_aux_loss_coef: "
+        "0.001 in Qwen's configs) times this is added to each micro-batch's backpropagated loss; the logged loss "
+        "stays the cross-entropy, the aux loss is logged as aux_loss. 0 = off.",
+        valid=AT_LEAST_0,
+    )
 
 
 @dataclass

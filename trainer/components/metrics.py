@@ -156,9 +156,11 @@ class MetricsLogger:
         grad_norm: float,
         lr: float,
         validation: tuple[float, float] | None = None,
+        scalars: dict[str, float] | None = None,
     ) -> dict[str, float]:
         """Log one line (on the logging rank) and return the metrics; resets the interval counters.
-        `validation`: this step's validation loss and perplexity, if it validated."""
+        `validation`: this step's validation loss and perplexity, if it validated; `scalars`: the step's further
+        values (StepResult.scalars: an MoE's aux_loss and moe_imbalance), shown after lr under their names."""
         now = time.perf_counter()
         elapsed = max(now - self.t_last, 1e-9)
         tps = self.tokens / elapsed
@@ -184,13 +186,15 @@ class MetricsLogger:
             metrics["mfu_fp8"] = mfu_fp8
         if validation is not None:
             metrics["val_loss"], metrics["val_ppl"] = validation
+        metrics |= scalars or {}
         by_source = self.data_tokens() if self.data_tokens is not None else {}
         for name, n in by_source.items():
             metrics[f"data_tokens/{name}"] = float(n)
         if self.is_logging_rank:
             steps_per_s = self._steps_since_log / elapsed if self._steps_since_log else 0.0
             eta = (total_steps - step) / steps_per_s if steps_per_s else 0.0
-            extra = f"  data: {metrics['data_loading_pct']:.1f}%  eta: {_hms(eta)}"
+            extra = "".join(f"  {name}: {value:.4f}" for name, value in (scalars or {}).items())
+            extra += f"  data: {metrics['data_loading_pct']:.1f}%  eta: {_hms(eta)}"
             if active is not None:
                 extra += f"  active: {metrics['memory_active_gib']:.2f}GiB"
             if self.float8:  # how far from the float8 ceiling; mfu itself stays on the bf16 scale

@@ -8,9 +8,11 @@ step's too (`eval_layout`). Two variants, chosen once by the build: `TrainStep` 
 `PipelineStep` (this rank's stages, through the pipeline's schedule).
 
 What changes a step without being part of every step wraps it through `StepWrapper`'s few calls, at fixed points:
-fault tolerance (the quorum before the step, the gradient average after backward, the commit before the update)
-and the non-finite skip (around the update). A new step-level feature is a wrapper (or a change here) and a line
-in the build; the Trainer's loop does not change. The step never logs on its own, syncs with the host, or saves.
+fault tolerance (the quorum before the step, the gradient average after backward, the commit before the update),
+the non-finite skip (around the update) and an MoE's load balancing (the aux loss added to each micro-batch's
+backpropagated loss, the expert bias after the update, their logged values). A new step-level feature is a wrapper
+(or a change here) and a line in the build; the Trainer's loop does not change. The step never logs on its own,
+syncs with the host, or saves.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class StepWrapper:
         """After backward, before the clip: the step's loss as it is to be logged (and the gradients, in place)."""
         return loss
 
+    def objective(self, loss: torch.Tensor) -> torch.Tensor:
+        """After each micro-batch's forward (TrainStep's; a pipeline's schedule backpropagates its own loss): the
+        loss its backward runs on, given the language-model loss. The step still returns and logs the latter."""
+        return loss
+
     def may_update(self, step: int) -> bool:
         """Before the update: False drops it on this rank (every rank decides alike)."""
         return True
@@ -88,6 +95,10 @@ class StepWrapper:
 
     def after_update(self, step: int) -> None:
         """After the optimizer step, before the LR-schedule step."""
+
+    def scalars(self) -> dict[str, torch.Tensor]:
+        """After the update: further values of the step to log (StepResult.scalars), on the device."""
+        return {}
 
     def close(self) -> None:
         """Once, when the run ends."""
@@ -163,7 +174,8 @@ class TrainStep:
             lr = w.applied_lr(lr)
             w.after_update(step)
         self.lr_scheduler.step()
-        return StepResult(loss, grad_norm, lr, data_time)
+        scalars = {name: value for w in self.wrappers for name, value in w.scalars().items()}
+        return StepResult(loss, grad_norm, lr, data_time, scalars=scalars)
 
     # ------------------------------------------------------------------ the forward, for training and evaluation
 
@@ -201,8 +213,10 @@ class TrainStep:
     ) -> torch.Tensor:
         """One micro-batch: loss in fp32, scaled for gradient accumulation; returns the unscaled loss."""
         with self.loss_context():
-            loss = self.forward_loss(inputs, labels, doc_ids)
-            (loss / self.grad_accum_steps).backward()
+            loss = objective = self.forward_loss(inputs, labels, doc_ids)
+            for w in self.wrappers:
+                objective = w.objective(objective)  # an MoE's aux loss (trainer/step/moe_balance.py)
+            (objective / self.grad_accum_steps).backward()
         return _whole(loss).detach()
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
