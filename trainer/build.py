@@ -12,7 +12,8 @@
                        parallelize (CP, TP, AC, compile, FSDP); this rank's ContextParallel, made once
     materialize        to_empty + the layout-independent init (one seed, one model) on the device
     step               the step object (trainer/step/step.py): the compute precision, the loss, under pipeline
-                       parallelism the stages as torch PipelineStages and their schedule (PipelineStep)
+                       parallelism the stages as torch PipelineStages and their schedule (PipelineStep); an MoE
+                       model's load balancing (trainer/step/moe_balance.py)
     validator          [validation] on: held-out batches and the loss of the current weights on them (the step's
                        forward)
     downstream_eval    [eval] on: the lm-eval tasks (loaded now) scored through the step's forward
