@@ -3,6 +3,7 @@
 #
 #   bash scripts/test_oldest_torch.sh            # the tests that cover every private-API use (see below)
 #   bash scripts/test_oldest_torch.sh tests      # anything pytest accepts: here the whole suite
+#   bash scripts/test_oldest_torch.sh --build    # only make the venv ready (CI builds it beside the main suite)
 #
 # PyPI's only Linux x86_64 torch 2.11.0 wheel is the CUDA 13.0 build (530 MB); the CPU wheel lives on
 # download.pytorch.org, which this machine cannot reach. The CUDA build runs on CPU, but importing it loads
@@ -62,6 +63,9 @@ fi
 # Test-only extras added since the venv's first build (installed into an existing venv without rebuilding it).
 "$VENV/bin/python" -c "import matplotlib" 2>/dev/null ||
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "matplotlib>=3.7"
+"$VENV/bin/python" -c "import xdist" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "pytest-xdist>=3.6"
+[ "${1:-}" = "--build" ] && exit 0
 "$VENV/bin/python" -c "import torch, torchao; print(f'oldest-torch leg: torch {torch.__version__}, torchao {torchao.__version__}')"
 # kiln is imported from the checkout (tests put the repo root on sys.path), not installed into the venv; the
 # venv's bin/ goes first on PATH so tests that start `python`/`torchrun` (run_train.sh) get torch 2.11 too.
@@ -70,6 +74,7 @@ pytest=("$VENV/bin/python" -m pytest -q -p no:cacheprovider)
 if [ $# -gt 0 ]; then
     exec "${pytest[@]}" "$@"
 fi
+pytest+=(-n "${KILN_TEST_WORKERS:-2}" --dist loadfile)  # as the main suite (README): a file's tests on one worker
 "${pytest[@]}" "${INTERNALS_TESTS[@]}"
 # Left to the main suite: tracks_bf16 (20 bf16-autocast steps, minutes on a CPU without bf16 units) and the
 # test_parallelisms tests that share a 2-rank job (not marked distributed; it includes a rowwise run, which torch

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 
 from models import LLAMA3_FLAVORS
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
 # terminal would (an exec'd child gets the default action for a signal caught here, but keeps an ignored one).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Inductor compiles in-process: its default pool of compile workers (one per core) starts at each compiling process's
+# first compile, which on 2 shared cores costs more than it overlaps (a compiled float8 test, cold cache: 76-86 s
+# in-process against 117-140 s with the pool, 2026-12-02). Spawned kiln processes inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])  # decided at its import
 
 # Under pytest-xdist each worker is one of several test processes sharing the cores: one intra-op thread each, as
 # the spawned ranks have (tests/helpers/distributed.py), so idle OpenMP threads do not spin against the other worker.
