@@ -82,6 +82,7 @@ def dense_one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float
     return losses, out, dump
 
 
+@pytest.mark.slow
 def test_moe_trains_logs_active_params_and_exports(moe_one_rank: tuple, tmp_path: Path) -> None:
     _, out, dump = moe_one_rank
     line = next(line for line in out.splitlines() if "INFO Model qwen3 debugmodel_moe" in line)
@@ -94,6 +95,7 @@ def test_moe_trains_logs_active_params_and_exports(moe_one_rank: tuple, tmp_path
     exported_logits_match(dump, tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_dense_trains_and_exports(dense_one_rank: tuple, tmp_path: Path) -> None:
     _, out, dump = dense_one_rank
     assert re.search(r"INFO Model qwen3 debugmodel: 2 layers, [\d,]+ params, vocab", out), out[-3000:]

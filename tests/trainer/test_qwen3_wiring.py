@@ -4,7 +4,8 @@ The family table (kiln_base.config.MODEL_FAMILIES, models.args.FAMILIES) against
 against model.name's family; a stored shape of the other family refused; the Llama FFN overrides refused where the
 flavor gives its width; MoE with TP refused; the plan's parameter count against the built model; the seeded init of
 an expert weight sharded on the experts; the dry run's total and active parameters and the q/k norms' TP style; and
-a run started from a Qwen3-MoE folder saved by transformers, whose first step's loss is transformers' on the batch.
+a run started from a Qwen3-MoE folder saved by transformers, whose first step's loss is transformers' on the batch,
+and the same folder through scripts/convert_hf.py from_hf.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from models.args import FAMILIES
 from models.init import trunc
 from parallelisms.seeded_init import draw_shard
 from tests.helpers.common import DEBUG_CONFIG, open_trainer, tiny_run_args
+from tests.helpers.scripts import load_script
 from trainer import build
 from trainer.checkpoint.initial_load import InitialSource
 from trainer.hooks import StepHook, StepOutput
@@ -164,9 +166,9 @@ class Losses(StepHook):
         self.losses.append(float(out.loss))
 
 
-def test_run_from_a_transformers_qwen3_moe_folder_starts_at_its_loss(tmp_path: Path) -> None:
-    """checkpoint.initial_load_path at a Qwen3-MoE folder written by transformers' save_pretrained, model.flavor
-    from_checkpoint: step 1's loss (before any update) is transformers' cross-entropy on step 1's batch."""
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A tiny Qwen3-MoE saved by transformers' save_pretrained (per-expert safetensors names), and the model."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -182,10 +184,18 @@ def test_run_from_a_transformers_qwen3_moe_folder_starts_at_its_loss(tmp_path: P
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
-    hf.save_pretrained(tmp_path / "hf")
+    folder = tmp_path_factory.mktemp("qwen3_moe") / "hf"
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+def test_run_from_a_transformers_qwen3_moe_folder_starts_at_its_loss(moe_folder: tuple, tmp_path: Path) -> None:
+    """checkpoint.initial_load_path at a Qwen3-MoE folder written by transformers' save_pretrained, model.flavor
+    from_checkpoint: step 1's loss (before any update) is transformers' cross-entropy on step 1's batch."""
+    folder, hf = moe_folder
     argv = tiny_run_args(
         *("--model.name", "qwen3", "--model.flavor", "from_checkpoint", "--training.steps", "1"),
-        *("--checkpoint.initial_load_path", str(tmp_path / "hf"), "--job.dump_folder", str(tmp_path / "run")),
+        *("--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "run")),
     )
     hook = Losses()
     with open_trainer(argv) as trainer:
@@ -199,3 +209,18 @@ def test_run_from_a_transformers_qwen3_moe_folder_starts_at_its_loss(tmp_path: P
     assert len(hook.losses) == 1 and abs(hook.losses[0] - expected) <= 1e-5 * expected, (hook.losses, expected)
     other = F.cross_entropy(logits.flatten(0, 1), labels.roll(1, dims=1).flatten()).item()
     assert abs(other - expected) > 1e-2  # the comparison can tell another batch's loss
+
+
+def test_convert_from_hf_computes_the_transformers_logits(moe_folder: tuple, tmp_path: Path) -> None:
+    """scripts/convert_hf.py from_hf on the same folder: a kiln step whose model computes transformers' logits."""
+    folder, hf = moe_folder
+    conv = load_script("convert_hf")
+    assert conv.main(["from_hf", str(folder), str(tmp_path / "kiln")]) == 0
+    sd, args = conv.load_kiln_weights(str(tmp_path / "kiln" / "step-0"))
+    assert (args.moe_num_experts, args.moe_top_k, args.head_dim, args.qk_norm) == (4, 2, 16, True)
+    model = Transformer(args)
+    model.load_state_dict(sd)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model.eval()(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
