@@ -257,7 +257,7 @@ class BuiltModel:
     parts: list[nn.Module]  # what FSDP and the init treat as whole models: [model], or the stage models
     args: ModelArgs
     n_params: int  # before sharding: the whole model's
-    n_active_params: int  # what one token computes with (models.active_params: an MoE's top k experts); = n_params
+    n_active_params: int  # what one token computes with (models.active_params: an MoE's top k experts); dense: n_params
     flops_per_token: float  # at the configured seq_len under metrics.attention_flops (MFU's numerator per token)
     flops_per_token_by_convention: dict[str, int]  # "full" (6N + 12LHQT) and "causal" (6N + 6LHQT)
     linear_fqns: list[str]  # every nn.Linear (Float8Linear included) of the parts, named before AC/compile wrapping
