@@ -139,6 +139,9 @@ def test_dry_run_prints_total_and_active_params_and_the_qk_norm_tp_style() -> No
     norm = next(line for line in dense.splitlines() if line.split()[0] == "layers.*.attention.q_norm")
     assert "SequenceParallel" in norm and "replicated" in norm, norm
     assert "active per token" not in dense
+    # Without the tokenizer file the plan takes the flavor's published vocabulary (Qwen's 151,936 tokens).
+    published = dry_run(_cfg("--model.name", "qwen3", "--model.flavor", "30B-A3B", "--model.tokenizer_path", "/none"))
+    assert "parameters: 30,532,122,624 total, 3,353,032,704 active per token" in published, published.splitlines()[:2]
 
 
 class FirstBatch:

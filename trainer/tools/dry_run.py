@@ -40,6 +40,7 @@ from kiln_base.config import (
     training_bytes,
 )
 from kiln_base.internals import init_fake_process_group, unwrapped_fqn
+from models.args import FAMILIES
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import StagedModel
@@ -59,13 +60,16 @@ def simulated_world_size(p: Parallelism) -> int:
     )
 
 
-def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
+def _vocab_size(tokenizer_path: str, name: str, flavor: str) -> tuple[int, str]:
     if os.path.isfile(tokenizer_path):
         from trainer.components.tokenizer import Tokenizer
 
         return Tokenizer(tokenizer_path).n_words, tokenizer_path
     if flavor.startswith("debugmodel"):
         return 2256, f"{tokenizer_path} missing; the bundled tokenizer's size"
+    published = FAMILIES[name][flavor].vocab_size if flavor in FAMILIES[name] else -1
+    if published > 0:  # Qwen3's flavors carry their tokenizer's size
+        return published, f"{tokenizer_path} missing; {name} {flavor}'s published vocabulary"
     return LLAMA3_VOCAB, f"{tokenizer_path} missing; Llama 3's tokenizer size"
 
 
@@ -115,7 +119,7 @@ def dry_run(cfg: JobConfig, world_size: int | None = None) -> str:
     world = world_size or simulated_world_size(p)
     _init_fake_world(world)
     try:
-        vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
+        vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.name, cfg.model.flavor)
         converter = build_float8_converter(f8, p.tensor_parallel_degree)
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
