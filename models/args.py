@@ -73,6 +73,12 @@ class ModelArgs:
             self.vocab_size,
             attn_type=self.attn_type,
             tied=self.tie_word_embeddings,
+            head_dim=self.head_dim or 0,
+            qk_norm=self.qk_norm,
+            experts=self.moe_num_experts,
+            top_k=self.moe_top_k if self.moe else 0,
+            expert_hidden_dim=self.moe_hidden_dim if self.moe else 0,
+            shared_hidden_dim=self.moe_shared_hidden_dim if self.moe else 0,
         )
 
     def check_fields(self, where: str) -> None:
@@ -258,3 +264,11 @@ QWEN3_FLAVORS: dict[str, ModelArgs] = {
         moe_hidden_dim=1536,
     ),
 }
+
+# model.name -> its flavors, under the names kiln_base.config.MODEL_FAMILIES gives the config checks.
+FAMILIES: dict[str, dict[str, ModelArgs]] = {"llama3": LLAMA3_FLAVORS, "qwen3": QWEN3_FLAVORS}
+
+
+def family_of(args: ModelArgs) -> str:
+    """The model.name of a stored shape (an HF config.json's, a kiln.json's): q/k norms and experts are Qwen3's."""
+    return "qwen3" if args.qk_norm or args.moe else "llama3"

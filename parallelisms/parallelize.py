@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from models.llama3 import Attention
 
 logger = logging.getLogger("kiln")
+QK_NORMS = ("q_norm", "k_norm")
 
 
 def float8_tensorwise_tp(float8: Float8) -> bool:
@@ -84,10 +85,16 @@ def apply_tp(
             enable_float8_tp_on_cpu()
     for block_name, block in model.layers.items():
         plan: dict[str, ParallelStyle] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-        for sub, inputs, col, row in (
-            ("attention", (Shard(1), None, None), ("wq", "wk", "wv"), "wo"),  # (x, freqs_cis, mask)
-            ("feed_forward", (Shard(1),), ("w1", "w3"), "w2"),
-        ):
+        subs: list[tuple[str, tuple[Shard | None, ...], tuple[str, ...], str]] = [
+            ("attention", (Shard(1), None, None), ("wq", "wk", "wv"), "wo")  # (x, freqs_cis, mask)
+        ]
+        if getattr(block.get_submodule("attention"), "q_norm", None) is not None:
+            # Qwen3's q/k norms act on this rank's heads, (bs, seq, local heads, head_dim): the weight replicated,
+            # the input sharded on the head dim, so its gradient is summed over every rank's heads.
+            plan |= {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in QK_NORMS}
+        if getattr(block, "feed_forward", None) is not None:  # an MoE block is refused with TP (config checks)
+            subs.append(("feed_forward", (Shard(1),), ("w1", "w3"), "w2"))
+        for sub, inputs, col, row in subs:
             # float8 styles only where every Linear of the sub-module is Float8Linear (some may be filtered).
             fp8 = float8_tensorwise and all(is_float8_linear(block.get_submodule(f"{sub}.{n}")) for n in (*col, row))
             prepare = PrepareFloat8ModuleInput if fp8 else PrepareModuleInput

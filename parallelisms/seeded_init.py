@@ -44,8 +44,19 @@ def draw_shard(
     generator: torch.Generator,
 ) -> torch.Tensor:
     """The values of the slice `offset : offset + shape` of parameter `fqn`'s whole tensor (shape `full_shape`),
-    drawing only the row chunks that overlap it. Returns a float32 tensor of `shape`."""
-    assert len(full_shape) in (1, 2), f"{fqn}: layout-independent init handles 1-D and 2-D parameters"
+    drawing only the row chunks that overlap it. Returns a float32 tensor of `shape`.
+
+    A 3-D parameter (an MoE's routed experts, [E, out, in]) is drawn as the 2-D tensor [E x out, in] its memory
+    is: a shard of whole experts (FSDP's and expert parallelism's dim 0) is then a block of whole rows."""
+    assert len(full_shape) in (1, 2, 3), f"{fqn}: layout-independent init handles 1-D to 3-D parameters"
+    if len(full_shape) == 3:
+        assert tuple(shape[1:]) == tuple(full_shape[1:]), f"{fqn}: a 3-D parameter is sharded on dim 0 only"
+        per = full_shape[1]
+        flat = draw_shard(
+            init, seed, fqn, (full_shape[0] * per, full_shape[2]), (shape[0] * per, shape[2]),
+            (offset[0] * per, 0), device, generator,
+        )  # fmt: skip
+        return flat.view(shape)
     rows, cols = full_shape[0], (full_shape[1] if len(full_shape) == 2 else 1)
     local_rows, local_cols = shape[0], (shape[1] if len(shape) == 2 else 1)
     row0, col0 = offset[0], (offset[1] if len(offset) == 2 else 0)

@@ -1,6 +1,7 @@
-"""Convert kiln checkpoints to Hugging Face Llama format (model.safetensors + config.json) and back.
+"""Convert kiln checkpoints to Hugging Face format (model.safetensors + config.json) and back: Llama 3
+(LlamaForCausalLM), Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM).
 
-    python scripts/convert_hf.py to_hf   CHECKPOINT HF_DIR [--dtype bfloat16] [--flavor debugmodel]
+    python scripts/convert_hf.py to_hf   CHECKPOINT HF_DIR [--dtype bfloat16] [--name llama3 --flavor debugmodel]
                                          [--tokenizer assets/tokenizer/tokenizer.model] [--max_shard_size 5GB]
     python scripts/convert_hf.py from_hf HF_DIR CHECKPOINT_FOLDER [--step 0]
 
@@ -13,7 +14,7 @@ the field named) any config kiln cannot compute exactly. The Trainer can also st
 CHECKPOINT is a DCP step folder (`outputs/checkpoint/step-100`, full, or an export `export-step-100`) or a
 checkpoint folder (its highest complete step is used; an export wins a tie). Checkpoints are read through
 kiln's SafeFileSystemReader: a file that needs code to load is refused (exit 2), nothing of it run. The model
-shape comes from the step's kiln.json (or --flavor, with the vocabulary read off the embedding). `from_hf`
+shape comes from the step's kiln.json (or --name's --flavor, with the vocabulary read off the embedding). `from_hf`
 writes a weights-only DCP checkpoint `CHECKPOINT_FOLDER/step-N` that
 kiln loads at start (`--checkpoint.enable_checkpoint --checkpoint.folder CHECKPOINT_FOLDER`) as its initial
 weights. Names map as in Hugging Face's convert_llama_weights_to_hf.py, including the q/k row permutation:
@@ -37,7 +38,7 @@ sys.path.insert(0, ROOT)
 
 from kiln_base.errors import ConfigError, UserError  # noqa: E402
 from kiln_base.files import FileRefused  # noqa: E402
-from models.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
+from models.args import FAMILIES, ModelArgs  # noqa: E402
 from trainer.checkpoint import hf  # noqa: E402
 from trainer.checkpoint import manager as checkpoint  # noqa: E402
 from trainer.checkpoint.checksums import ChecksummingWriter, collect  # noqa: E402
@@ -77,10 +78,15 @@ def _read(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
     return sd
 
 
-def checkpoint_args(path: str, flavor: str | None, vocab: int) -> ModelArgs:
-    """The model shape of kiln step folder `path`: --flavor's (with the checkpoint's vocabulary), else kiln.json's."""
+def checkpoint_args(path: str, flavor: str | None, vocab: int, name: str = "llama3") -> ModelArgs:
+    """The model shape of kiln step folder `path`: family `name`'s --flavor (with the checkpoint's vocabulary),
+    else kiln.json's."""
     if flavor is not None:
-        return dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=vocab)
+        if flavor not in FAMILIES[name]:
+            raise ConfigError(
+                f"--flavor {flavor} is not a --name {name} flavor; choose from {', '.join(FAMILIES[name])}"
+            )
+        return dataclasses.replace(FAMILIES[name][flavor], vocab_size=vocab)
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         raise ConfigError(f"{path} has no {checkpoint.MARKER} (not written by kiln?); pass --flavor to give the shape")
     try:
@@ -89,13 +95,15 @@ def checkpoint_args(path: str, flavor: str | None, vocab: int) -> ModelArgs:
         raise ConfigError(f"{e}; pass --flavor") from None
 
 
-def load_kiln_weights(path: str, flavor: str | None = None) -> tuple[dict[str, torch.Tensor], ModelArgs]:
+def load_kiln_weights(
+    path: str, flavor: str | None = None, name: str = "llama3"
+) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """The model weights of a kiln DCP checkpoint (no process group needed) and the model's ModelArgs."""
     tensors = _model_tensors(path)
     if "tok_embeddings.weight" not in tensors:
-        raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln Llama3 checkpoint")
+        raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln checkpoint")
     emb = tensors["tok_embeddings.weight"][0]
-    args = checkpoint_args(path, flavor, emb[0])
+    args = checkpoint_args(path, flavor, emb[0], name)
     if emb != (args.vocab_size, args.dim):
         raise ConfigError(
             f"{path}: tok_embeddings.weight {emb} does not match the model shape "
@@ -129,6 +137,7 @@ def to_hf(
     flavor: str | None,
     tokenizer_path: str = DEFAULT_TOKENIZER,
     max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+    name: str = "llama3",
 ) -> None:
     """kiln checkpoint -> HF folder: weights (sharded past max_shard_bytes, one shard in memory at a time),
     config.json, generation_config.json and the tokenizer files."""
@@ -137,8 +146,8 @@ def to_hf(
     path = resolve_step_dir(ckpt)
     tensors = _model_tensors(path)
     if "tok_embeddings.weight" not in tensors:
-        raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln Llama3 checkpoint")
-    args = checkpoint_args(path, flavor, tensors["tok_embeddings.weight"][0][0])
+        raise ConfigError(f"{path}: no tok_embeddings.weight: not a kiln checkpoint")
+    args = checkpoint_args(path, flavor, tensors["tok_embeddings.weight"][0][0], name)
     try:
         tok = Tokenizer(tokenizer_path)
     except (OSError, ValueError) as e:
@@ -184,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as saved)")
-    p.add_argument("--flavor", choices=list(LLAMA3_FLAVORS), default=None, help="model shape if no kiln.json")
+    p.add_argument("--name", choices=list(FAMILIES), default="llama3", help="--flavor's model family")
+    p.add_argument("--flavor", default=None, help="model shape if no kiln.json: a flavor of --name")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="the model's tiktoken file (default: bundled)")
     p.add_argument("--max_shard_size", type=_size, default=hf.DEFAULT_MAX_SHARD_BYTES, help="e.g. 5GB (default)")
-    p = sub.add_parser("from_hf", help="HF Llama folder -> weights-only kiln checkpoint FOLDER/step-N")
+    p = sub.add_parser("from_hf", help="HF Llama / Qwen3 folder -> weights-only kiln checkpoint FOLDER/step-N")
     p.add_argument("hf_dir")
     p.add_argument("folder")
     p.add_argument("--step", type=int, default=0)
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # offline use is the intent
     try:
         if a.command == "to_hf":
-            to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor, a.tokenizer, a.max_shard_size)
+            to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor, a.tokenizer, a.max_shard_size, a.name)
         else:
             from_hf(a.hf_dir, a.folder, a.step)
     except UserError as e:  # config, checkpoint (damaged, refused as unsafe) mistakes

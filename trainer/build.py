@@ -55,6 +55,8 @@ from kiln_base.config import (
     PipelinePlan,
     RunPlan,
     Training,
+    check_family,
+    check_ffn_overrides,
     check_model_memory,
     check_model_shape,
     check_moe_balance,
@@ -69,8 +71,8 @@ from kiln_base.config import (
 from kiln_base.errors import ConfigError
 from kiln_base.files import writable_dir_problem
 from kiln_base.internals import pipeline_warmup_sends_to_own_rank
-from models import LLAMA3_FLAVORS, ModelArgs, Transformer, flops_per_token, moe_layers, num_params
-from models.args import first_difference
+from models import ModelArgs, Transformer, active_params, flops_per_token, moe_layers, num_params
+from models.args import FAMILIES, family_of, first_difference
 from models.flops import CONVENTIONS as FLOP_CONVENTIONS
 from parallelisms.context_parallel import ContextParallel, build_context_parallel
 from parallelisms.grad_reduce import reduction_line
@@ -117,25 +119,28 @@ def process_group(cfg: JobConfig) -> tuple[torch.device, PeerWatch | None]:
 def model_args(
     m: Model, seq_len: int, tokenizer_words: int, source: InitialSource | None = None, bos_id: int | None = None
 ) -> ModelArgs:
-    """The shape to build: the flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the model.*
-    overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path (`source`),
-    which the overrides may only repeat. With a named flavor, a source must hold the same model. Checked, every
-    field first (types and ranges), whichever source gave it: the launcher runs this before torchrun starts a
-    rank (train.check_config), each rank before it builds.
+    """The shape to build: model.name's flavor's with the vocabulary from the tokenizer (or model.vocab_size) and the
+    model.* overrides; with model.flavor from_checkpoint the shape stored with checkpoint.initial_load_path
+    (`source`), which must be of model.name's family and which the overrides may only repeat. With a named flavor,
+    a source must hold the same model. Checked, every field first (types and ranges), whichever source gave it:
+    the launcher runs this before torchrun starts a rank (train.check_config), each rank before it builds.
 
     `seq_len`: the longest sequence the run feeds (the RoPE table's length); `bos_id`: the tokenizer's BOS, where
     a document starts under a document-masked flavor."""
     if m.flavor == FROM_CHECKPOINT:
         assert source is not None, "config checks require checkpoint.initial_load_path with from_checkpoint"
+        check_family(m.name, family_of(source.args), source.path)
         check_overrides_match_stored(m, dataclasses.asdict(source.args), source.path)
         args = dataclasses.replace(source.args, max_seq_len=seq_len, bos_id=bos_id)
         args.check_fields(source.path)
         check_model_shape(m, args.shape(), tokenizer_words, source.path)
         check_moe_balance(m, args.moe_num_experts, source.path)
         return args
+    flavor = FAMILIES[m.name][m.flavor]  # the config checks made sure the family has it
+    check_ffn_overrides(m, flavor.ffn_dim)
     overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key) is not None}
     args = dataclasses.replace(
-        LLAMA3_FLAVORS[m.flavor],
+        flavor,
         **{"vocab_size": tokenizer_words, **overrides, "max_seq_len": seq_len, "bos_id": bos_id},
     )
     args.check_fields(f"flavor {m.flavor} + model.* overrides")
@@ -257,6 +262,7 @@ class BuiltModel:
     parts: list[nn.Module]  # what FSDP and the init treat as whole models: [model], or the stage models
     args: ModelArgs
     n_params: int  # before sharding: the whole model's
+    n_active_params: int  # what one token computes with (models.active_params: an MoE's top k experts); dense: n_params
     flops_per_token: float  # at the configured seq_len under metrics.attention_flops (MFU's numerator per token)
     flops_per_token_by_convention: dict[str, int]  # "full" (6N + 12LHQT) and "causal" (6N + 6LHQT)
     linear_fqns: list[str]  # every nn.Linear (Float8Linear included) of the parts, named before AC/compile wrapping
@@ -287,7 +293,7 @@ def build_model(
         model = Transformer(args)
     if float8 is not None:
         float8.convert(model)
-    n_params = num_params(model)
+    n_params, n_active = num_params(model), active_params(model)
     flops = {c: flops_per_token(args, model, cfg.training.seq_len, c) for c in FLOP_CONVENTIONS}
     plan = pipeline
     if plan is None:
@@ -311,6 +317,7 @@ def build_model(
         parts=list(parts),
         args=args,
         n_params=n_params,
+        n_active_params=n_active,
         flops_per_token=flops[cfg.metrics.attention_flops],
         flops_per_token_by_convention=flops,
         linear_fqns=linear_fqns,
@@ -425,12 +432,23 @@ def wrap_step(cfg: JobConfig, plan: RunPlan, step: TrainStep, state: TrainState)
     return guard
 
 
-def flops_line(flops: dict[str, int], chosen: str) -> str:
-    """Both FLOP counts per token and which one MFU and TFLOP/s use, for the start-up line and the dry run."""
+def flops_line(flops: dict[str, int], chosen: str, moe: bool = False) -> str:
+    """Both FLOP counts per token and which one MFU and TFLOP/s use, for the start-up line and the dry run; for
+    an MoE that they count the active parameters (a token's top k experts), not all."""
+    active = "; an MoE's FLOPs count its active parameters (each token's top k experts)" if moe else ""
     return (
         f"FLOPs/token: {flops['full'] / 1e9:.3f} G attention full (torchtitan, PaLM), {flops['causal'] / 1e9:.3f} G "
-        f"causal (Megatron-LM); MFU and TFLOP/s count {chosen} (metrics.attention_flops)"
+        f"causal (Megatron-LM); MFU and TFLOP/s count {chosen} (metrics.attention_flops){active}"
     )
+
+
+def active_text(built: BuiltModel) -> str:
+    """What follows the parameter count on the start-up line and in the dry run: for an MoE, that it is the total
+    and how many of them a token computes with (MFU's count); nothing for a dense model."""
+    if not built.args.moe:
+        return ""
+    share = built.n_active_params / built.n_params
+    return f" total, {built.n_active_params:,} active per token ({share:.1%})"
 
 
 def init_seed(seed: int | None) -> int:

@@ -49,10 +49,12 @@ def log_attention(
 def log_model(cfg: JobConfig, built: build.BuiltModel, device_type: str, boundaries: str | None = None) -> None:
     """The start-up lines on the model: shape, parameters, FLOPs per token (both conventions), how it attends."""
     args = built.args
-    flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops)
+    flops = build.flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops, args.moe)
+    moe = f", MoE {args.moe_num_experts} experts (top {args.moe_top_k})" if args.moe else ""
+    params = f"{built.n_params:,} params{build.active_text(built)}"
     logger.info(
-        f"Model llama3 {cfg.model.flavor}: {args.n_layers} layers, {built.n_params:,} params, vocab "
-        f"{args.vocab_size}, seq {cfg.training.seq_len}; {flops}"
+        f"Model {cfg.model.name} {cfg.model.flavor}: {args.n_layers} layers{moe}, {params}, vocab {args.vocab_size}, "
+        f"seq {cfg.training.seq_len}; {flops}"
     )
     log_attention(args.attn_type, args.attn_mask_type, args.bos_id, device_type, boundaries)
 

@@ -27,6 +27,7 @@ from typing import Any
 from kiln_base.config.plan import PP, ModelShape, check_microbatches
 from kiln_base.config.schema import (
     FROM_CHECKPOINT,
+    MODEL_FAMILIES,
     PP_SCHEDULES,
     PP_ZERO_BUBBLE,
     Eval,
@@ -88,6 +89,13 @@ def check_config_alone(cfg: JobConfig) -> None:
         f"AdamW's state untouched); optimizer.implementation is {cfg.optimizer.implementation}: set it to fused",
     )
     src = cfg.checkpoint.initial_load_path
+    m = cfg.model
+    valid = MODEL_FAMILIES[m.name]
+    _check(
+        m.flavor in valid or m.flavor == FROM_CHECKPOINT,
+        f"model.flavor '{m.flavor}' is not a model.name {m.name} flavor; choose from {', '.join(valid)}, "
+        f"{FROM_CHECKPOINT}",
+    )
     _check(
         cfg.model.flavor != FROM_CHECKPOINT or src is not None,
         "model.flavor from_checkpoint builds the shape stored with checkpoint.initial_load_path, which is not set",
@@ -465,6 +473,28 @@ def check_overrides_match_stored(m: Model, stored: Mapping[str, Any], source: st
             raise ConfigError(f"model.{key} {ours} differs from {source}'s {theirs} (model.flavor from_checkpoint)")
 
 
+def check_family(name: str, stored: str, source: str) -> None:
+    """model.flavor from_checkpoint: the stored model (`stored`: its family, models.args.family_of) must be of
+    model.name's family; a Qwen3 folder trained as model.name llama3 would be logged, counted and exported as
+    the wrong family."""
+    if stored != name:
+        raise ConfigError(
+            f"checkpoint.initial_load_path {source} holds a {stored} model but model.name is {name}; set model.name "
+            f"{stored} (model.flavor from_checkpoint)"
+        )
+
+
+def check_ffn_overrides(m: Model, ffn_dim: int | None) -> None:
+    """model.ffn_dim_multiplier and model.multiple_of compute a Llama 3 FFN width; a flavor with its width given
+    (Qwen3's ffn_dim) would ignore them silently."""
+    for key in ("ffn_dim_multiplier", "multiple_of"):
+        if ffn_dim is not None and getattr(m, key) is not None:
+            raise ConfigError(
+                f"model.{key} is set, but model.name {m.name} flavor {m.flavor} has its FFN width given ({ffn_dim}),"
+                " which the Llama 3 FFN rule does not change; drop it"
+            )
+
+
 def check_same_model(flavor: str, source: str, difference: tuple[str, Any, Any] | None) -> None:
     """checkpoint.initial_load_path with a named flavor: the stored model must be the flavor's (`difference`: the
     first field that differs, its value there and here; models.args.first_difference)."""
@@ -491,7 +521,9 @@ def check_model_shape(m: Model, shape: ModelShape, tokenizer_words: int, source:
         )
     where = source or f"flavor {m.flavor} + overrides"
     heads = f"model.dim {shape.dim}, model.n_heads {shape.n_heads}, model.n_kv_heads {shape.n_kv_heads} ({where})"
-    if shape.dim % shape.n_heads or (shape.dim // shape.n_heads) % 2:
+    if shape.head_dim and shape.head_dim % 2:
+        raise ConfigError(f"{where}: model head_dim {shape.head_dim} is odd (RoPE rotates pairs)")
+    if not shape.head_dim and (shape.dim % shape.n_heads or (shape.dim // shape.n_heads) % 2):
         raise ConfigError(f"{heads}: n_heads must divide dim into heads of even size (RoPE rotates pairs)")
     if shape.n_heads % shape.n_kv_heads:
         raise ConfigError(f"{heads}: n_kv_heads must divide n_heads (each key/value head serves a whole group)")
@@ -504,6 +536,12 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
     """What the degrees, the model's shape and the device type decide together; the launcher (for the device type
     its ranks will have) and each rank, before the build."""
     tp = cfg.parallelism.tensor_parallel_degree
+    if tp > 1 and shape.experts:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree {tp} with a mixture-of-experts model (model.flavor "
+            f"{cfg.model.flavor}, {shape.experts} experts): kiln has no tensor-parallel plan for the experts yet; "
+            "shard it with FSDP (data_parallel_shard_degree) and tensor_parallel_degree 1"
+        )
     # Colwise wq/wk/wv shard whole heads; w1/w3 colwise and w2 rowwise shard the FFN hidden dim.
     for what, size in (
         ("n_heads", shape.n_heads),

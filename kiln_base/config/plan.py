@@ -209,6 +209,26 @@ class ModelShape:
     vocab_size: int
     attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
     tied: bool = False  # tie_word_embeddings: the output layer is the embedding (Llama 3.2 1B, 3B)
+    # Qwen3 (models.args.ModelArgs' fields of the same meaning): a head width of its own (0: dim // n_heads), q/k
+    # norms; with experts > 0 an MoE FFN in every block (`ffn_hidden_dim` then unused): `experts` routed SwiGLUs of
+    # width expert_hidden_dim, `top_k` per token, a shared SwiGLU of width shared_hidden_dim (0: none).
+    head_dim: int = 0
+    qk_norm: bool = False
+    experts: int = 0
+    top_k: int = 0
+    expert_hidden_dim: int = 0
+    shared_hidden_dim: int = 0
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def token_ffn_width(self) -> int:
+        """The SwiGLU width one token runs through: the dense FFN's, or its k experts' and the shared one's."""
+        if self.experts:
+            return self.top_k * self.expert_hidden_dim + self.shared_hidden_dim
+        return self.ffn_hidden_dim
 
 
 # ----------------------------------------------------------------------------- the pipeline split
@@ -526,15 +546,19 @@ TRAINING_BYTES_PER_PARAM = 16
 
 
 def _layer_params(shape: ModelShape) -> int:
-    """Parameters of one block: q/k/v/o, SwiGLU, two norms."""
-    head_dim = shape.dim // shape.n_heads
-    attention = 2 * shape.dim * shape.dim + 2 * shape.dim * shape.n_kv_heads * head_dim
-    return attention + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
+    """Parameters of one block: q/k/v/o (and q/k norms), the SwiGLU or the MoE (router, experts, shared experts),
+    two norms."""
+    head, dim = shape.head_width, shape.dim
+    attention = 2 * dim * shape.n_heads * head + 2 * dim * shape.n_kv_heads * head + 2 * head * shape.qk_norm
+    ffn = 3 * dim * shape.ffn_hidden_dim
+    if shape.experts:
+        ffn = shape.experts * (dim + 3 * dim * shape.expert_hidden_dim) + 3 * dim * shape.shared_hidden_dim
+    return attention + ffn + 2 * dim
 
 
 def model_params(shape: ModelShape) -> int:
-    """Parameters of a Llama 3 model of this shape (embedding, per layer q/k/v/o, SwiGLU, two norms; final norm;
-    the output layer unless tied): models.flops.num_params counts the same on a built model."""
+    """Parameters of a Llama 3 or Qwen3 model of this shape (embedding, per layer q/k/v/o, SwiGLU or MoE, norms;
+    final norm; the output layer unless tied): models.flops.num_params counts the same on a built model."""
     embedding = shape.vocab_size * shape.dim
     return embedding * (1 if shape.tied else 2) + shape.n_layers * _layer_params(shape) + shape.dim
 
@@ -654,8 +678,8 @@ def _activation_elems_per_token_layer(shape: ModelShape, ac: ActivationCheckpoin
     Per-op SAC keeps the block input plus every second mm output (wq, wv, w1, w2) and SDPA out.
     Selective every N blocks: 1 block in N is fully recomputed.
     """
-    kv = shape.dim // shape.n_heads * shape.n_kv_heads
-    hidden = shape.ffn_hidden_dim
+    kv = shape.head_width * shape.n_kv_heads
+    hidden = shape.token_ffn_width  # an MoE: the k experts' rows a token adds (the router's scores are small)
     full_block = 8 * shape.dim + 3 * kv + 4 * hidden
     if ac.mode == "none":
         return full_block
@@ -729,7 +753,7 @@ def memory_estimate(
         f"activations ({what})": activations,
     }
     if cp > 1:
-        kv = 2 * shape.dim // shape.n_heads * shape.n_kv_heads // tp  # k and v elements per token
+        kv = 2 * shape.head_width * shape.n_kv_heads // tp  # k and v elements per token
         held = cp if cfg.parallelism.context_parallel_rotate_method == "allgather" else 2  # ranks' k/v held at once
         estimate["CP key/value buffers (one block)"] = running * held * kv * (2 + 4)
     if device_type == "cpu" and shape.attn_type == "flex":

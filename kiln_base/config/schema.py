@@ -119,6 +119,11 @@ def attention_flavor(base: str, attn_type: str) -> str:
 
 
 FLAVORS = (*BASE_FLAVORS, *(attention_flavor(b, a) for a in ATTENTION_VARIANTS for b in BASE_FLAVORS))
+# Qwen3 (torchtitan's flavor names; models/args.py QWEN3_FLAVORS): dense, and mixture-of-experts (*_moe, *-A*B).
+QWEN3_FLAVOR_NAMES = ("debugmodel", "debugmodel_moe", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B", "235B-A22B")
+# model.name -> the names of its flavors, the one table of model families (models/args.py FAMILIES holds each
+# flavor's ModelArgs under the same names). model.flavor is checked against its family's (check_config_alone).
+MODEL_FAMILIES: dict[str, tuple[str, ...]] = {"llama3": FLAVORS, "qwen3": QWEN3_FLAVOR_NAMES}
 
 
 @dataclass
@@ -132,14 +137,17 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = _f("llama3", "Model family.", ("llama3",))
+    name: str = _f(
+        "llama3", "Model family: llama3 (Llama 3, 3.1, 3.2) or qwen3 (Qwen3, dense and MoE).", tuple(MODEL_FAMILIES)
+    )
     flavor: str = _f(
         "debugmodel",
-        "Model shape: Llama 3 (8B, 70B, 405B), 3.1 (llama3 rope scaling, 131072 context), 3.2 (tied embeddings), or "
-        "from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json or kiln.json). "
-        "<flavor>_flex (debugmodel_flex_attn) and <flavor>_varlen (debugmodel_varlen_attn, CUDA only): the same "
-        "shape with document-masked attention (block_causal: no attention across the BOS that starts a document).",
-        (*FLAVORS, FROM_CHECKPOINT),
+        "Model shape, one of model.name's flavors. llama3: debugmodel, 8B, 70B, 405B, 3.1-* (llama3 rope scaling, "
+        "131072 context), 3.2-* (tied embeddings); <flavor>_flex (debugmodel_flex_attn) and <flavor>_varlen "
+        "(debugmodel_varlen_attn, CUDA only): the same shape with document-masked attention (block_causal: no "
+        "attention across the BOS that starts a document). qwen3: debugmodel, 0.6B ... 32B; MoE debugmodel_moe, "
+        "30B-A3B, 235B-A22B. from_checkpoint: the shape stored with checkpoint.initial_load_path (HF config.json "
+        "or kiln.json).",
     )
     tokenizer_path: str = _f("assets/tokenizer/tokenizer.model", "tiktoken BPE file (Llama3 tokenizer.model format).")
     n_layers: int | None = _f(

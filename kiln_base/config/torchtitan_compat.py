@@ -153,7 +153,10 @@ def _converters(value: list[str]) -> dict[str, Any]:
                 'model.converters = ["float8"] with float8.recipe_name tensorwise, rowwise or rowwise_with_gw_hp'
             )
         if name.startswith("quantize.grouped_mm."):
-            raise Refused(f"converter '{name}' quantizes MoE grouped GEMMs; kiln trains dense Llama 3 (use \"float8\")")
+            raise Refused(
+                f"converter '{name}' quantizes MoE grouped GEMMs, which kiln does not (its experts train in high "
+                'precision); use "float8" for the Linears'
+            )
         raise Refused(f"unknown converter '{name}'; kiln has \"float8\" (float8.enable_float8_linear)")
     return {"float8.enable_float8_linear": any(name in FLOAT8_CONVERTERS for name in value)}
 
@@ -528,7 +531,7 @@ ROWS_LIST: tuple[Key, ...] = (
         V02,
         list[str],
         (["moe.router.gate"], []),
-        "no such module in dense Llama 3",
+        "torchtitan's default, the MoE router's gate: kiln's per-op SAC treats its mm as any other",
         "per-op SAC recomputes every second mm in kiln; forcing mm shapes by FQN is not supported",
     ),
     ignore_if(

@@ -253,7 +253,7 @@ REFUSALS = [
     ),
     (["--parallelism.pipeline_parallel_schedule", "DualPipeV"], '"DualPipeV": DualPipeV overlaps expert-parallel'),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
-    (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs; kiln trains dense"),
+    (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs, which kiln does not"),
     (["--training.dtype", "bfloat16"], '--training.dtype = "bfloat16": all-bfloat16 training is not supported'),
     (["--compile.components", "loss"], '--compile.components = ["loss"]: kiln compiles the model'),
     (["--comm.mode", "local_tensor"], '--comm.mode = "local_tensor": simulating ranks on one device'),

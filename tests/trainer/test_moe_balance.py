@@ -67,7 +67,8 @@ def _step(model: Transformer, batches: list, bias: float, aux: float, dims: Para
     dims = dims or ParallelDims(Degrees(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     built = build.BuiltModel(
-        model=model, parts=[model], args=ARGS, n_params=0, flops_per_token=0.0, flops_per_token_by_convention={},
+        model=model, parts=[model], args=ARGS, n_params=0, n_active_params=0, flops_per_token=0.0,
+        flops_per_token_by_convention={},
         linear_fqns=[], tp_plan={},
     )  # fmt: skip
     cfg = Model(moe_load_balance_coeff=bias, moe_aux_loss_coeff=aux)

@@ -313,7 +313,11 @@ def args_from_hf_config(cfg: Any, where: str) -> ModelArgs:
     kind = cfg.get("model_type")
     if kind in OTHER_MOE_TYPES:
         raise _refuse(
-            where, "model_type", kind, "a mixture-of-experts family kiln does not implement (kiln's is qwen3_moe)"
+            where,
+            "model_type",
+            kind,
+            "a mixture-of-experts family kiln does not implement (kiln's is qwen3_moe)",
+            "Qwen3-MoE",
         )
     if kind not in FAMILIES:
         raise _refuse(where, "model_type", kind, "not a Llama, Qwen3 or Qwen3-MoE model")

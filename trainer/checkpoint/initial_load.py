@@ -1,8 +1,8 @@
 """`checkpoint.initial_load_path`: start training from weights outside the run's checkpoint folder.
 
-The path is a Hugging Face Llama folder (config.json + safetensors, one file or sharded) or a kiln checkpoint
-(a DCP step folder, or a checkpoint folder: its newest complete step; a converted weights-only `step-N` or
-another run's full checkpoint, of which only the model is read). Its stored model shape (config.json, or the
+The path is a Hugging Face Llama, Qwen3 or Qwen3-MoE folder (config.json + safetensors, one file or sharded) or a
+kiln checkpoint (a DCP step folder, or a checkpoint folder: its newest complete step; a converted weights-only
+`step-N` or another run's full checkpoint, of which only the model is read). Its stored model shape (config.json, or the
 step's kiln.json) is what `model.flavor = "from_checkpoint"` builds, or what a named flavor is checked
 against. The weights load only when the run's own checkpoint folder holds nothing to resume (as torchtitan's
 key), so the same command resumes after a stop; the run's saves go to its own folder, never to the source.
@@ -59,7 +59,10 @@ def open_source(path: str) -> InitialSource:
     if not os.path.isdir(path):
         raise ConfigError(f"{where}: not a folder (give a Hugging Face model folder or a kiln checkpoint)")
     if is_hf_folder(path):
-        return InitialSource(path, "hf", read_hf_args(path))
+        try:
+            return InitialSource(path, "hf", read_hf_args(path))
+        except ConfigError as e:  # config.json's field, named under the key that pointed at it
+            raise ConfigError(f"{KEY}: {e}") from None
     try:
         step = resolve_step_dir(path)
     except CheckpointError:

@@ -40,10 +40,11 @@ from kiln_base.config import (
     training_bytes,
 )
 from kiln_base.internals import init_fake_process_group, unwrapped_fqn
+from models.args import FAMILIES
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import StagedModel
-from trainer.build import build_model, flops_line, local_params, model_args, run_plan
+from trainer.build import active_text, build_model, flops_line, local_params, model_args, run_plan
 from trainer.checkpoint.initial_load import open_source
 
 LLAMA3_VOCAB = 128256  # Meta's Llama 3 tokenizer: 128000 BPE ranks + 256 special tokens
@@ -59,13 +60,16 @@ def simulated_world_size(p: Parallelism) -> int:
     )
 
 
-def _vocab_size(tokenizer_path: str, flavor: str) -> tuple[int, str]:
+def _vocab_size(tokenizer_path: str, name: str, flavor: str) -> tuple[int, str]:
     if os.path.isfile(tokenizer_path):
         from trainer.components.tokenizer import Tokenizer
 
         return Tokenizer(tokenizer_path).n_words, tokenizer_path
     if flavor.startswith("debugmodel"):
         return 2256, f"{tokenizer_path} missing; the bundled tokenizer's size"
+    published = FAMILIES[name][flavor].vocab_size if flavor in FAMILIES[name] else -1
+    if published > 0:  # Qwen3's flavors carry their tokenizer's size
+        return published, f"{tokenizer_path} missing; {name} {flavor}'s published vocabulary"
     return LLAMA3_VOCAB, f"{tokenizer_path} missing; Llama 3's tokenizer size"
 
 
@@ -115,7 +119,7 @@ def dry_run(cfg: JobConfig, world_size: int | None = None) -> str:
     world = world_size or simulated_world_size(p)
     _init_fake_world(world)
     try:
-        vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.flavor)
+        vocab, vocab_source = _vocab_size(cfg.model.tokenizer_path, cfg.model.name, cfg.model.flavor)
         converter = build_float8_converter(f8, p.tensor_parallel_degree)
         path = cfg.checkpoint.initial_load_path
         source = open_source(path) if path else None  # its stored shape: from_checkpoint builds it, a flavor must match
@@ -128,14 +132,14 @@ def dry_run(cfg: JobConfig, world_size: int | None = None) -> str:
         built = build_model(cfg, args, dims, converter, pipeline=pipeline, stage_ids=every_stage)
         model, plan = built.model, built.tp_plan
         reasons = {d.fqn: d.reason for d in converter.decisions} if converter else {}
-        n_params = built.n_params
         float8_lines = _float8_lines(model, built.linear_fqns, f8, reasons)
         on = {True: "on", False: "off"}
         lines = [
-            f"kiln dry run: llama3 {cfg.model.flavor}, {args.n_layers} layers "
-            f"(vocab {args.vocab_size}: {vocab_source})",
-            f"parameters: {n_params:,}   seq {t.seq_len}   "
-            + flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops),
+            f"kiln dry run: {cfg.model.name} {cfg.model.flavor}, {args.n_layers} layers"
+            + (f", MoE {args.moe_num_experts} experts (top {args.moe_top_k})" if args.moe else "")
+            + f" (vocab {args.vocab_size}: {vocab_source})",
+            f"parameters: {built.n_params:,}{active_text(built)}   seq {t.seq_len}   "
+            + flops_line(built.flops_per_token_by_convention, cfg.metrics.attention_flops, args.moe),
             f"simulated world: {world} = "
             + ("" if pipeline is None else f"pp {dims.pp} x ")
             + f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
