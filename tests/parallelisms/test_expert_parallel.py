@@ -91,10 +91,12 @@ def full_grad(p: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- on the ranks
 
 
-def _layer_case() -> dict[str, Any]:
-    """One MoE layer, its experts split over all ranks (no FSDP): each rank feeds its quarter of the tokens."""
+def _layer_case(grouped_mm: bool) -> dict[str, Any]:
+    """One MoE layer, its experts split over all ranks (no FSDP): each rank feeds its share of the tokens; the local
+    experts run as a grouped GEMM or as the loop over experts."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = reference_model()
+    moe_layers(ref)[0].experts.use_grouped_mm = grouped_mm
     moe = moe_layers(ref)[0]
     x = torch.randn(world * 6, ARGS.dim, generator=torch.Generator().manual_seed(2))
     mine = x.chunk(world)[rank].clone().requires_grad_(True)
@@ -117,9 +119,12 @@ def _layer_case() -> dict[str, Any]:
     return dict(y=y.detach(), x_grad=mine.grad, router=router, experts=experts, counts=counts, local=local)
 
 
-def _model_case(dp_replicate: int, ep: int, ac: str, ckpt: str | None) -> dict[str, Any]:
-    """The whole model through parallelize_llama (EP, AC, FSDP), loaded with the reference weights; one forward and
-    backward on this rank's share of the batch (the data-parallel rank's rows)."""
+def _model_case(dp_replicate: int, ep: int, ac: str, ckpt: str | None, load: str | None = None) -> dict[str, Any]:
+    """The whole model through parallelize_llama (EP, AC, FSDP) with the reference weights (copied in, or loaded from
+    the DCP checkpoint `load` saved under another layout); one forward and backward on this rank's share of the
+    batch (the data-parallel rank's rows); saved to `ckpt` if given."""
+    import torch.distributed.checkpoint as dcp
+
     world = dist.get_world_size()
     dims = ParallelDims.for_world(dp_replicate, -1, 1, world, ep=ep)
     dims.build_mesh("cpu")
@@ -129,12 +134,16 @@ def _model_case(dp_replicate: int, ep: int, ac: str, ckpt: str | None) -> dict[s
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
     ref = reference_model().state_dict()
+    if load is not None:
+        dcp.load(model.state_dict(), checkpoint_id=load)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             full = ref.get(unwrapped_fqn(name))
             if full is None:
                 continue  # freqs_cis: computed by init_buffers
-            if isinstance(t, DTensor):
+            if load is not None:
+                assert torch.equal(t.full_tensor() if isinstance(t, DTensor) else t, full), name
+            elif isinstance(t, DTensor):
                 t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements).to_local())
                 assert torch.equal(t.full_tensor(), full), name  # the shard is the right slice of the whole
             else:
@@ -153,8 +162,6 @@ def _model_case(dp_replicate: int, ep: int, ac: str, ckpt: str | None) -> dict[s
     for c in counts:
         dist.all_reduce(c)
     if ckpt is not None:
-        import torch.distributed.checkpoint as dcp
-
         dcp.save(model.state_dict(), checkpoint_id=ckpt)
     held = tuple(shards[0].w1.to_local().shape)  # this rank's shard of block 0's w1 (after EP and FSDP)
     return {"loss": logged.item(), "grads": grads, "norm": norm, "counts": counts, "held": held}
@@ -183,15 +190,18 @@ def _tensors(obj: Any) -> Any:
 def _two_rank_job(ckpt: str) -> dict[str, Any]:
     return _by_value(
         {
-            "layer": _layer_case(),
+            "layer": _layer_case(grouped_mm=True),
+            "layer_loop": _layer_case(grouped_mm=False),
             "ep2": _model_case(1, 2, "none", ckpt),
             "ep2_full_ac": _model_case(1, 2, "full", None),
         }
     )
 
 
-def _four_rank_job() -> dict[str, Any]:
-    return _by_value({"ep2_efsdp2": _model_case(1, 2, "none", None), "hsdp2_ep2": _model_case(2, 2, "none", None)})
+def _four_rank_job(ckpt: str) -> dict[str, Any]:
+    """EP 2 x efsdp 2 resumes the 2-rank EP 2 checkpoint (another layout); HSDP copies the weights in."""
+    cases = {"ep2_efsdp2": _model_case(1, 2, "none", None, load=ckpt), "hsdp2_ep2": _model_case(2, 2, "none", None)}
+    return _by_value(cases)
 
 
 # ----------------------------------------------------------------------------- the comparisons
@@ -223,10 +233,12 @@ def _assert_model_matches(got: dict[str, Any], ref: dict[str, Any], held: tuple[
 
 
 @pytest.mark.distributed
-def test_ep_layer_matches_one_process(two_ranks: tuple[list[dict[str, Any]], str]) -> None:
+@pytest.mark.parametrize("case", ["layer", "layer_loop"])
+def test_ep_layer_matches_one_process(case: str, two_ranks: tuple[list[dict[str, Any]], str]) -> None:
     """Forward, input, router and expert gradients and the counts of one MoE layer with its 4 experts over 2 ranks
-    (2 each) equal one process's, including an expert that receives no rows."""
-    ranks = [r["layer"] for r in two_ranks[0]]
+    (2 each) equal one process's (grouped GEMM), including an expert that receives no rows; the local experts as a
+    grouped GEMM and as the loop."""
+    ranks = [r[case] for r in two_ranks[0]]
     moe = moe_layers(reference_model())[0]
     x = torch.randn(2 * 6, ARGS.dim, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
     moe.reset_counts()
@@ -276,10 +288,12 @@ def test_ep_checkpoint_holds_the_whole_experts(two_ranks: tuple[list[dict[str, A
 
 
 @pytest.mark.distributed
-def test_ep_with_efsdp_and_hsdp_matches_one_process(reference: dict[str, Any]) -> None:
-    """4 ranks: EP 2 x efsdp 2 (FSDP splits each EP rank's 2 experts, one whole expert a rank) and HSDP 2 x
-    (EP 2 over dp_shard 2)."""
-    for rank in _tensors(run_distributed(_four_rank_job, 4)):
+def test_ep_with_efsdp_and_hsdp_matches_one_process(
+    reference: dict[str, Any], two_ranks: tuple[list[dict[str, Any]], str]
+) -> None:
+    """4 ranks: EP 2 x efsdp 2 (FSDP splits each EP rank's 2 experts, one whole expert a rank), its weights loaded
+    from the checkpoint the 2-rank EP 2 layout saved, and HSDP 2 x (EP 2 over dp_shard 2)."""
+    for rank in _tensors(run_distributed(_four_rank_job, 4, two_ranks[1])):
         _assert_model_matches(rank["ep2_efsdp2"], reference, (1, ARGS.moe_hidden_dim, ARGS.dim))  # 1 expert a rank
         _assert_model_matches(rank["hsdp2_ep2"], reference, (2, ARGS.moe_hidden_dim, ARGS.dim))  # 2, replicated
 
