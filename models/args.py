@@ -73,7 +73,7 @@ class ModelArgs:
             self.vocab_size,
             attn_type=self.attn_type,
             tied=self.tie_word_embeddings,
-            moe_num_experts=self.moe_num_experts,
+            experts=self.moe_num_experts,
         )
 
     def check_fields(self, where: str) -> None:

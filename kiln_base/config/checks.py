@@ -516,7 +516,7 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "_flex/_varlen) or context_parallel_degree 1"
         )
     check_float8_blocks(cfg.float8, shape.n_layers)
-    ep, experts = cfg.parallelism.expert_parallel_degree, shape.moe_num_experts
+    ep, experts = cfg.parallelism.expert_parallel_degree, shape.experts
     if ep > 1 and experts == 0:
         raise ConfigError(
             f"parallelism.expert_parallel_degree {ep}: model.flavor {cfg.model.flavor} is dense (no experts to split); "

@@ -222,7 +222,7 @@ class ModelShape:
     vocab_size: int
     attn_type: str = "sdpa"  # models.args.ModelArgs.attn_type: sdpa, flex or varlen
     tied: bool = False  # tie_word_embeddings: the output layer is the embedding (Llama 3.2 1B, 3B)
-    moe_num_experts: int = 0  # routed experts of every MoE FFN (0: a dense model)
+    experts: int = 0  # routed experts of every MoE FFN (models.args.ModelArgs.moe_num_experts; 0: a dense model)
 
 
 # ----------------------------------------------------------------------------- the pipeline split

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln_base.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, check_world
 from kiln_base.config.checks import check_config_alone, check_parallel_plan
 from kiln_base.errors import ConfigError
-from kiln_base.internals import unwrapped_fqn
+from kiln_base.internals import shard_offset, unwrapped_fqn
 from models import ModelArgs, Transformer
 from models.moe import moe_layers
 from parallelisms.expert_parallel import ExpertParallelExperts, apply_ep
@@ -141,13 +141,19 @@ def _model_case(dp_replicate: int, ep: int, ac: str, ckpt: str | None, load: str
             full = ref.get(unwrapped_fqn(name))
             if full is None:
                 continue  # freqs_cis: computed by init_buffers
-            if load is not None:
-                assert torch.equal(t.full_tensor() if isinstance(t, DTensor) else t, full), name
-            elif isinstance(t, DTensor):
+            if load is None and isinstance(t, DTensor):
                 t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements).to_local())
-                assert torch.equal(t.full_tensor(), full), name  # the shard is the right slice of the whole
-            else:
+            elif load is None:
                 t.copy_(full)
+            if isinstance(t, DTensor):
+                assert torch.equal(t.full_tensor(), full), name  # the shard is the right slice of the whole
+                # What the layout-independent init slices by (parallelisms/seeded_init.py): this rank's rows, also
+                # under the experts' (efsdp, ep) placements.
+                shape, offset = shard_offset(t)
+                held = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+                assert torch.equal(held, t.to_local()), name
+            else:
+                assert torch.equal(t, full), name
     shards = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     assert len(shards) == ARGS.n_layers
     dp_rank = dims.dp_mesh.get_local_rank()
