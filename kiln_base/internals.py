@@ -259,6 +259,30 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(mesh_dim_name=name)
 
 
+def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """`mesh` with its dimension `dim` split into `names` of `sizes` (the last innermost), e.g. dp_shard -> (efsdp,
+    ep); the same root mesh, so FSDP composes a parameter's placements over both. Checked on torch 2.13.0
+    (`DeviceMesh._unflatten(dim, mesh_sizes, mesh_dim_names)`)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """An all-to-all of equal splits, without autograd, waited for: rank r gets the r-th part of every rank's
+    `counts`, in rank order. Checked on torch 2.13.0 (`_functional_collectives.all_to_all_single`, gloo and nccl)."""
+    from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
+
+    return wait_tensor(all_to_all_single(counts, None, None, group))
+
+
+def all_to_all_rows(x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """A differentiable all-to-all of rows with uneven splits (`send[r]` rows of `x` to rank r, `recv[r]` rows from
+    it); the backward is the reverse all-to-all. Checked on torch 2.13.0
+    (`_functional_collectives.all_to_all_single_autograd`, gloo and nccl)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x, recv, send, group)
+
+
 def set_pg_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
     """Change the timeout of an initialised process group (default: the world). Checked on torch 2.11.0, 2.13.0."""
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -61,22 +61,24 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, dim): rows sorted by expert, `counts` [E] int64 of them per expert -> (rows, dim)."""
-        if self.use_grouped_mm and grouped_mm_runs(x, self.w1, self.w2, self.w3):
-            return self._grouped(x, counts)
-        return self._loop(x, counts)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.use_grouped_mm)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+
+def swiglu_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, use_grouped_mm: bool
+) -> torch.Tensor:
+    """GroupedExperts' computation on the weights given (an expert-parallel rank passes its own experts'):
+    x (rows, dim) sorted by expert, `counts` [w1.shape[0]] int64 rows per expert -> (rows, dim)."""
+    if use_grouped_mm and grouped_mm_runs(x, w1, w2, w3):
         # offs: each group's end row, on the device: no host sync (the loop's .tolist() is one).
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = F.silu(grouped_mm(x, self.w1.transpose(-2, -1), offs))
-        h = h * grouped_mm(x, self.w3.transpose(-2, -1), offs)
-        return grouped_mm(h, self.w2.transpose(-2, -1), offs)
-
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        out = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):
-            out.append(F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e]))
-        return torch.cat(out)
+        h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs)) * grouped_mm(x, w3.transpose(-2, -1), offs)
+        return grouped_mm(h, w2.transpose(-2, -1), offs)
+    out = [
+        F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+        for e, rows in enumerate(torch.split(x, counts.tolist()))
+    ]
+    return torch.cat(out)
 
 
 class TokenChoiceRouter(nn.Module):

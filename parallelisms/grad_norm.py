@@ -4,9 +4,9 @@ torch's float32 CPU norm of a whole gradient accumulates its error with the tens
 (2256, 256) output layer: ~8e-5 off the float64 value; 187M parameters: 7e-4), and a shard's (FSDP, TP, a pipeline
 stage) is off by a different amount, so the float32 norm, and the clipping coefficient with it, depended on the
 layout. Here each gradient's squares are summed in float64 (squared_sum: float32 norms of its rows, squared and
-summed in float64); a DTensor's sum is reduced over its mesh by DTensor, a pipeline rank's is summed over the
-pipeline group. Every layout then logs one process's norm to ~1e-8 (tests/parallelisms/test_grad_norm_layouts.py;
-the cost: docs/parallelisms.md).
+summed in float64); a DTensor's sum is reduced over its mesh by DTensor (one reduction per mesh: expert-parallel
+experts have their own), a pipeline rank's is summed over the pipeline group. Every layout then logs one process's
+norm to ~1e-8 (tests/parallelisms/test_grad_norm_layouts.py; the cost: docs/parallelisms.md).
 """
 
 from __future__ import annotations
@@ -34,8 +34,12 @@ def total_norm(grads: list[torch.Tensor], pp_group: dist.ProcessGroup | None = N
         device = torch.device("cpu")
         squared = torch.zeros((), dtype=torch.float64, device=device)
     else:
-        summed = torch.stack([squared_sum(g) for g in grads]).sum()
-        squared = summed.full_tensor() if isinstance(summed, DTensor) else summed
+        # One sum per mesh: DTensor adds only DTensors of one mesh (expert-parallel experts live on their own).
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for g in grads:
+            by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(squared_sum(g))
+        parts = [torch.stack(sums).sum() for sums in by_mesh.values()]
+        squared = torch.stack([p.full_tensor() if isinstance(p, DTensor) else p for p in parts]).sum()
     if pp_group is not None:
         dist.all_reduce(squared, group=pp_group)
     return squared.sqrt()

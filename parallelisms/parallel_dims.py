@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kiln_base.config import Degrees, resolve_dp_shard
-from kiln_base.internals import flatten_mesh
+from kiln_base.internals import flatten_mesh, unflatten_mesh
 
 
 @dataclass
@@ -17,6 +17,7 @@ class ParallelDims:
     degrees: Degrees  # the run plan's (kiln_base.config.plan_run): the one place they are resolved and checked
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)  # flattened dimensions
+    _experts: DeviceMesh | None = field(default=None, init=False, repr=False)  # dp_shard as (efsdp, ep), with EP
 
     @classmethod
     def of(cls, degrees: Degrees) -> ParallelDims:
@@ -25,11 +26,13 @@ class ParallelDims:
 
     @classmethod
     def for_world(
-        cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1, pp: int = 1
+        cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1, pp: int = 1, ep: int = 1
     ) -> ParallelDims:
-        """Degrees given by hand (dp_shard -1: the rest of the world size), checked to multiply to it."""
+        """Degrees given by hand (dp_shard -1: the rest of the world size), checked to multiply to it; `ep` must
+        divide the resolved dp_shard (the plan checks it for a config)."""
         dp_shard = resolve_dp_shard(dp_replicate, dp_shard, tp, world_size, cp=cp, pp=pp)
-        return cls(Degrees(pp, dp_replicate, dp_shard, cp, tp))
+        assert dp_shard % ep == 0, f"expert_parallel_degree {ep} must divide dp_shard {dp_shard}"
+        return cls(Degrees(pp, dp_replicate, dp_shard, cp, tp, ep))
 
     @property
     def dp_replicate(self) -> int:
@@ -52,6 +55,15 @@ class ParallelDims:
     def pp(self) -> int:
         """Pipeline parallel: ranks the model's stages are split over."""
         return self.degrees.pp
+
+    @property
+    def ep(self) -> int:
+        """Expert parallel: ranks each MoE layer's routed experts are split over, borrowed from dp_shard."""
+        return self.degrees.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def world_size(self) -> int:
@@ -112,6 +124,9 @@ class ParallelDims:
         if self.cp_enabled:  # without CP they would equal dp_shard and dp: no extra process groups then
             self._flat["dp_shard_cp"] = flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
             self._flat["dp_cp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+        if self.ep_enabled:  # the same ranks as dp_shard, EP innermost: an EP group is consecutive ranks
+            sizes = (self.degrees.efsdp, self.ep)
+            self._experts = unflatten_mesh(mesh, "dp_shard", sizes, ("efsdp", "ep"))
         self._mesh = mesh
         return mesh
 
@@ -138,6 +153,19 @@ class ParallelDims:
             # torchtitan's HSDP x CP mesh too, and there is no other public way to pair dp_replicate with it.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
             return self.mesh["dp_replicate", "dp_shard_cp"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks one MoE layer's routed experts are split over (consecutive dp_shard ranks)."""
+        assert self._experts is not None, "build_mesh() with expert parallelism first"
+        return self._experts["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """What fully_shard shards an expert-parallel rank's experts over: the dp_shard ranks holding the same
+        experts (efsdp = dp_shard / ep), as (dp_replicate, efsdp) for HSDP."""
+        assert self._experts is not None, "build_mesh() with expert parallelism first"
+        return self._experts["dp_replicate", "efsdp"] if self.dp_replicate_enabled else self._experts["efsdp"]
 
     @property
     def loss_mesh(self) -> DeviceMesh:

@@ -1,6 +1,6 @@
 """parallelize_llama: the one place a meta-device model gets its parallel plan.
 
-Order matters and follows torchtitan: (float8 conversion happens before this) -> TP -> AC -> compile -> FSDP.
+Order matters and follows torchtitan: (float8 conversion happens before this) -> EP -> TP -> AC -> compile -> FSDP.
 Context parallelism only swaps each block's attention core (torchtitan does it at run time, kiln at build time);
 it comes first so that the compiled blocks trace the context-parallel attention.
 """
@@ -34,6 +34,7 @@ from kiln_base.internals import (
 )
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.context_parallel import ContextParallel
+from parallelisms.expert_parallel import ExpertParallelExperts, apply_ep, expert_shard_placement
 from parallelisms.grad_reduce import REDUCE_DTYPE, Bf16WireReduceScatter
 from parallelisms.parallel_dims import ParallelDims
 
@@ -186,6 +187,16 @@ def apply_fsdp(
         # gathered, one all-gather per step instead of one per micro-batch (torchtitan's default under PP).
         default = i < len(blocks) - 1 and not parallel_dims.pp_enabled
         reshard = {"always": True, "never": False}.get(policy, default)
+        # An expert-parallel block's routed experts (inside any AC wrapper): split over ep already, FSDP'd over the
+        # rest (efsdp) in a group of their own; the block's group then leaves them out.
+        for experts in [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]:
+            fully_shard(
+                experts,
+                mesh=parallel_dims.expert_fsdp_mesh,
+                mp_policy=mp,
+                reshard_after_forward=reshard,
+                shard_placement_fn=expert_shard_placement(experts.num_experts, parallel_dims.degrees),
+            )
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     if model.norm is not None and model.output is not None and not tied:
         # Backward needs them first: kept gathered after the forward unless resharding is always asked for.
@@ -227,6 +238,9 @@ def parallelize_llama(
     tp_plan: dict[str, ParallelStyle] = {}
     if cp is not None:
         apply_cp(model, cp)
+    if parallel_dims.ep_enabled:
+        layers = apply_ep(model, parallel_dims.ep_mesh)
+        logger.info(f"Expert parallel: the routed experts of {layers} MoE layers split over {parallel_dims.ep} ranks")
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh["tp"]
         tp_plan = apply_tp(model, tp_mesh, not parallelism.disable_loss_parallel, float8_tensorwise_tp(float8))

@@ -78,6 +78,7 @@ def check_config_alone(cfg: JobConfig) -> None:
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline_flags(cfg)
     _check_moe_balance_flags(cfg)
+    _check_expert_parallel_flags(cfg)
     _check(
         not cfg.checkpoint.create_seed_checkpoint or cfg.checkpoint.enable_checkpoint,
         "checkpoint.create_seed_checkpoint writes step-0 into the checkpoint folder; "
@@ -360,6 +361,36 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
         )
 
 
+def _check_expert_parallel_flags(cfg: JobConfig) -> None:
+    """What expert parallelism does not compose with yet (parallelisms/expert_parallel.py); the degree against the
+    shard degree is Degrees.of's, against the experts check_parallel_plan's."""
+    p = cfg.parallelism
+    etp = p.expert_tensor_parallel_degree
+    _check(
+        etp == 1,
+        f"parallelism.expert_tensor_parallel_degree {etp}: kiln has no tensor parallelism inside the experts (each "
+        "expert runs whole on its expert-parallel rank); use 1",
+    )
+    ep = p.expert_parallel_degree
+    if ep == 1:
+        return
+    for key, degree in (
+        ("tensor_parallel_degree", p.tensor_parallel_degree),
+        ("context_parallel_degree", p.context_parallel_degree),
+        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+    ):
+        _check(
+            degree == 1,
+            f"parallelism.expert_parallel_degree {ep} with {key} {degree}: kiln's expert parallelism does not compose "
+            f"with that yet; set one of them to 1",
+        )
+    _check(
+        not cfg.training.compile,
+        f"parallelism.expert_parallel_degree {ep} with training.compile: the all-to-all's split sizes are a host "
+        "sync, which a fullgraph-compiled block cannot hold; drop --training.compile or use expert_parallel_degree 1",
+    )
+
+
 # ----------------------------------------------------------------------------- the model's shape
 
 
@@ -559,6 +590,17 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "_flex/_varlen) or context_parallel_degree 1"
         )
     check_float8_blocks(cfg.float8, shape.n_layers)
+    ep, experts = cfg.parallelism.expert_parallel_degree, shape.experts
+    if ep > 1 and experts == 0:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree {ep}: model.flavor {cfg.model.flavor} is dense (no experts to split); "
+            "use expert_parallel_degree 1 or an MoE flavor"
+        )
+    _check(
+        experts % ep == 0,
+        f"parallelism.expert_parallel_degree ({ep}) must divide the model's {experts} experts (moe_num_experts): "
+        "each expert-parallel rank holds the same number of them",
+    )
     ft = cfg.fault_tolerance
     # torchft quantizes pseudo-gradients with triton kernels on the GPU; without them it silently sends them unquantized
     _check(

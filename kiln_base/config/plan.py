@@ -89,15 +89,23 @@ class Degrees:
     dp_shard: int  # resolved: never -1
     cp: int
     tp: int
+    ep: int = 1  # expert parallel: borrowed from dp_shard (dp_shard = efsdp x ep), not a factor of the world size
 
     @classmethod
     def of(cls, p: Parallelism, world_size: int) -> Degrees:
-        """The degrees for `world_size` ranks (data_parallel_shard_degree -1: the rest), checked to multiply to it."""
+        """The degrees for `world_size` ranks (data_parallel_shard_degree -1: the rest), checked to multiply to it;
+        expert_parallel_degree must divide the shard degree it borrows its ranks from."""
         tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
         dp_shard = resolve_dp_shard(
             p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp=cp, pp=pp
         )
-        return cls(pp, p.data_parallel_replicate_degree, dp_shard, cp, tp)
+        ep = p.expert_parallel_degree
+        if dp_shard % ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree ({dp_shard}): "
+                "expert-parallel ranks are borrowed from the data-parallel shard ranks"
+            )
+        return cls(pp, p.data_parallel_replicate_degree, dp_shard, cp, tp, ep)
 
     @property
     def world_size(self) -> int:
@@ -112,6 +120,11 @@ class Degrees:
     def fsdp_shards(self) -> int:
         """FSDP's shard group: dp_shard x cp (context-parallel ranks hold the same weights and shard them too)."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks that FSDP shards each expert-parallel rank's experts over: dp_shard / ep."""
+        return self.dp_shard // self.ep
 
     @property
     def param_shards(self) -> int:

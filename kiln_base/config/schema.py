@@ -422,6 +422,18 @@ class Parallelism:
         '2 x degree - 1 - i (equal causal-attention work per rank); none (or "") = one contiguous chunk per rank.',
         ("headtail",),
     )
+    expert_parallel_degree: int = _f(
+        1,
+        "Expert parallelism (MoE models): each MoE layer's routed experts are split over this many ranks, borrowed "
+        "from the data-parallel shard ranks (it must divide data_parallel_shard_degree and the number of experts), "
+        "and tokens travel to their experts' ranks by all-to-all. 1 = off.",
+        valid=AT_LEAST_1,
+    )
+    expert_tensor_parallel_degree: int = _f(
+        1,
+        "Tensor parallelism inside the experts (torchtitan's key): kiln runs only 1 (each expert whole on its rank).",
+        valid=AT_LEAST_1,
+    )
     pipeline_parallel_degree: int = _f(
         1,
         "Pipeline-parallel degree: ranks the model's layers are split over, in stages (the slowest links, across "

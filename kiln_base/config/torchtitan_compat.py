@@ -210,7 +210,7 @@ def _compile_components(value: list[str]) -> bool:
 
 # ----------------------------------------------------------------------------- the table
 
-EP_ONLY = "only read with expert parallelism (MoE), which kiln does not have"
+DUALPIPE_ONLY = "only read by the DualPipeV schedule, which kiln refuses"
 DILOCO_ONLY = "read by DiLoCo (semi_sync_method `diloco`); docs/fault_tolerance.md"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
 MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
@@ -423,7 +423,7 @@ ROWS_LIST: tuple[Key, ...] = (
         "schedules from a CSV file are not supported; choose parallelism.pipeline_parallel_schedule",
     ),
     honour("parallelism.pipeline_parallel_microbatch_size", ALL),
-    ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, EP_ONLY),
+    ignore_any("parallelism.pipeline_parallel_expert_parallel_overlap", V021, DUALPIPE_ONLY),
     honour("parallelism.context_parallel_degree", ALL, "kiln's own CP attention (CPU and CUDA; docs/parallelisms.md)"),
     honour("parallelism.context_parallel_rotate_method", ALL),
     mapped(
@@ -433,9 +433,20 @@ ROWS_LIST: tuple[Key, ...] = (
         _cp_load_balancer,
         'honoured: `"headtail"` or none; `"ptrr"` (torchtitan\'s balancer for flex attention) refused',
     ),
-    ignore_if("parallelism.expert_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
-    ignore_if("parallelism.expert_tensor_parallel_degree", V02, int, (1,), "expert parallelism off", MOE_OFFER),
-    ignore_any("parallelism.expert_parallel_comm_backend", V021, EP_ONLY),
+    honour(
+        "parallelism.expert_parallel_degree",
+        V02,
+        "ranks borrowed from the data-parallel shard ranks; not yet with TP, CP, PP or compile (docs/moe.md)",
+    ),
+    honour("parallelism.expert_tensor_parallel_degree", V02, "1 only: no tensor parallelism inside the experts"),
+    ignore_if(
+        "parallelism.expert_parallel_comm_backend",
+        V021,
+        str,
+        ("standard",),
+        "torch's all-to-all",
+        "kiln's expert parallelism sends tokens with torch's all-to-all (\"standard\"); DeepEP is not supported",
+    ),
     # checkpoint
     honour("checkpoint.enable_checkpoint", V010),
     rename("checkpoint.enable", V02, bool, "checkpoint.enable_checkpoint"),

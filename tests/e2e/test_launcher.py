@@ -111,6 +111,18 @@ MISTAKES = [
         'context_parallel_load_balancer = "ptrr": the per-token round-robin balancer serves',
         True,
     ),
+    (
+        "ep_degree",
+        ["--parallelism.expert_parallel_degree", "4"],
+        "parallelism.expert_parallel_degree (4) must divide data_parallel_shard_degree",
+        True,
+    ),
+    (
+        "ep_dense",
+        ["--parallelism.expert_parallel_degree", "2"],
+        "parallelism.expert_parallel_degree 2: model.flavor debugmodel is dense (no experts to split)",
+        True,
+    ),
     ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", True),
     ("dataset_name", ["--training.dataset", "nosuch"], "training.dataset: unknown dataset 'nosuch'", True),
     (
@@ -193,6 +205,7 @@ SINGLE_RANK = {
         "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
     ),
     "cp_degree": (["--parallelism.context_parallel_degree", "4"], "= 4 does not divide the world size 1"),
+    "ep_dense": (["--parallelism.expert_parallel_degree", "2"], "(2) must divide data_parallel_shard_degree (1)"),
     "cp_block_causal": (
         ["--parallelism.context_parallel_degree", "2", "--model.flavor", "debugmodel_flex_attn"],
         "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",

@@ -268,6 +268,24 @@ def test_flatten_mesh(world1: None) -> None:
     assert flat.mesh_dim_names == ("ab",) and flat.size() == 1
 
 
+def test_unflatten_mesh(world1: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    split = internals.unflatten_mesh(mesh, "b", (1, 1), ("c", "d"))
+    assert split.mesh_dim_names == ("a", "c", "d") and split["d"].size() == 1
+
+
+def test_all_to_all_counts_and_rows(world1: None) -> None:
+    """One rank sends itself everything; the rows' all-to-all carries the gradient back."""
+    counts = torch.tensor([3, 1])
+    assert torch.equal(internals.all_to_all_counts(counts, dist.group.WORLD), counts)
+    x = torch.randn(4, 2, requires_grad=True)
+    y = internals.all_to_all_rows(x, [4], [4], dist.group.WORLD)
+    (y * 3).sum().backward()
+    assert torch.equal(y.detach(), x.detach()) and torch.equal(x.grad, torch.full((4, 2), 3.0))
+
+
 def test_set_pg_timeout_changes_the_backend_timeout(world1: None) -> None:
     assert internals.pg_timeout() == timedelta(seconds=60)
     internals.set_pg_timeout(7)

@@ -228,13 +228,13 @@ def test_toml_nested_quantize_table_and_cli_override(tmp_path: Path) -> None:
 
 def test_each_translation_is_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "tt.toml"
-    path.write_text('[model]\nconverters = ["float8"]\n[parallelism]\nexpert_parallel_degree = 1\n')
+    path.write_text('[model]\nconverters = ["float8"]\n[parallelism]\nexpert_parallel_comm_backend = "standard"\n')
     with caplog.at_level(logging.INFO, logger="kiln"):
         parse_args(["--job.config_file", str(path), "--job.dry_run", "--model.converters", "float8"])
     lines = [r.getMessage() for r in caplog.records]
     assert lines.count('torchtitan key model.converters = ["float8"] -> float8.enable_float8_linear = true') == 1
-    assert [line for line in lines if "expert_parallel_degree" in line] == [
-        "torchtitan key parallelism.expert_parallel_degree = 1 ignored: expert parallelism off"
+    assert [line for line in lines if "expert_parallel_comm_backend" in line] == [
+        'torchtitan key parallelism.expert_parallel_comm_backend = "standard" ignored: torch\'s all-to-all'
     ]
     assert len(lines) == 2
 
@@ -257,7 +257,7 @@ REFUSALS = [
     (["--training.dtype", "bfloat16"], '--training.dtype = "bfloat16": all-bfloat16 training is not supported'),
     (["--compile.components", "loss"], '--compile.components = ["loss"]: kiln compiles the model'),
     (["--comm.mode", "local_tensor"], '--comm.mode = "local_tensor": simulating ranks on one device'),
-    (["--parallelism.expert_parallel_degree", "8"], "expert_parallel_degree = 8: MoE (expert parallelism)"),
+    (["--parallelism.expert_parallel_comm_backend", "deepep"], '"deepep": kiln\'s expert parallelism sends tokens'),
     (["--job.print_args"], "--job.print_args = true: kiln has --job.print_config"),
     (["--quantize.linear.float8.recipe_name", "rowwize"], "'rowwize' is not a valid choice; choose from tensorwise"),
     (["--parallelism.pipeline_parallel_degree", "four"], "--parallelism.pipeline_parallel_degree: expected an int"),
