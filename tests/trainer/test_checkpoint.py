@@ -65,16 +65,16 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> None:
-    """FSDP on 2 gloo ranks: a run killed after its step-4 checkpoint, resumed to 8, equals a straight run;
+    """FSDP on 2 gloo ranks: a run killed after its step-2 checkpoint, resumed to 4, equals a straight run;
     the data position is one global item (any DP layout resumes it: tests/e2e/test_sample_order.py)."""
-    rc, straight = drive(tmp_path / "straight", "--training.steps", "8", nproc=2)
-    assert rc == 0 and len(straight) == 8
-    ckpt = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4"]
-    rc, _ = drive(tmp_path / "run", *ckpt, nproc=2, env={"KILN_TEST_KILL_AFTER_SAVE": "4"})
+    rc, straight = drive(tmp_path / "straight", "--training.steps", "4", nproc=2)
+    assert rc == 0 and len(straight) == 4
+    ckpt = ["--training.steps", "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
+    rc, _ = drive(tmp_path / "run", *ckpt, nproc=2, env={"KILN_TEST_KILL_AFTER_SAVE": "2"})
     assert rc != 0
     folder = tmp_path / "run" / "checkpoint"
-    assert names(folder) == ["step-4"]
-    md = read_metadata(str(folder / "step-4"))
+    assert names(folder) == ["step-2"]
+    md = read_metadata(str(folder / "step-2"))
     assert {k for k in md.state_dict_metadata if k.startswith("dataloader.")} == {
         f"dataloader.{k}" for k in ("sequences", "epoch", "shard", "record", "buffer")
     }
@@ -82,7 +82,7 @@ def test_fsdp_two_ranks_sigkill_resume_matches_straight_run(tmp_path: Path) -> N
 
     rc, resumed = drive(tmp_path / "run", *ckpt, nproc=2)
     assert rc == 0
-    assert resumed == straight[4:]
+    assert resumed == straight[2:]
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
