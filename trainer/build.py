@@ -69,7 +69,7 @@ from kiln_base.config import (
     resolve_mixed_precision,
 )
 from kiln_base.errors import ConfigError
-from kiln_base.files import writable_dir_problem
+from kiln_base.files import url_scheme, writable_dir_problem
 from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from models import ModelArgs, Transformer, active_params, flops_per_token, moe_layers, num_params
 from models.args import FAMILIES, family_of, first_difference
@@ -489,9 +489,11 @@ def checkpointer(
 
 
 def checkpoint_folder(cfg: JobConfig) -> str:
-    """job.dump_folder/checkpoint.folder; under fault tolerance each replica group saves its own checkpoints (its
+    """job.dump_folder/checkpoint.folder, or checkpoint.folder itself when it is a URL (object storage: never a
+    local folder under the dump folder); under fault tolerance each replica group saves its own checkpoints (its
     data-loader position among them) in a folder of its own."""
-    folder, ft = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.fault_tolerance
+    base, ft = cfg.checkpoint.folder, cfg.fault_tolerance
+    folder = base.rstrip("/") if url_scheme(base) is not None else os.path.join(cfg.job.dump_folder, base)
     return os.path.join(folder, f"ft_replica_{ft.replica_id}") if ft.enable else folder
 
 
