@@ -14,6 +14,7 @@ The rules, each in one function here (docs/checkpoint.md, "A checkpoint from a s
     remove_tree(path)               a folder kiln owns, never through a link
     writable_dir_problem(path)      a folder kiln will write: created now and proven to take a file
     url_scheme(path)                `s3` for `s3://bucket/run`: a URL names object storage, never a local folder
+    output_location(dump, path)     checkpoint.folder under job.dump_folder, or the URL itself
     object_store_problem(url)       why kiln cannot keep checkpoints at this URL (scheme, bucket, package), or None
 
 Each raises FileRefused (a ValueError, so the callers' `except (OSError, ValueError)` turn it into their own
@@ -181,6 +182,12 @@ def url_scheme(path: str) -> str | None:
     never a path: joined under job.dump_folder, `s3://b/x` would be a local folder named `s3:`."""
     m = _URL.match(path)
     return m.group(1).lower() if m else None
+
+
+def output_location(dump_folder: str, path: str) -> str:
+    """Where a run writes `path` (checkpoint.folder): under job.dump_folder (an absolute path as it is), or a URL as
+    it is (object storage, never joined as a local folder)."""
+    return path.rstrip("/") if url_scheme(path) is not None else os.path.join(dump_folder, path)
 
 
 def object_store_problem(url: str) -> str | None:

@@ -154,8 +154,8 @@ def check_config_alone(cfg: JobConfig) -> None:
 
 def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
     """A URL (`scheme://...`) names object storage, never a folder under job.dump_folder (which would make a local
-    folder named `s3:`): checkpoint.folder takes an s3:// URL with s3fs installed; checkpoint.initial_load_path no
-    URL yet."""
+    folder named `s3:`): checkpoint.folder takes an s3:// URL with s3fs installed (trainer/checkpoint/objects.py),
+    saved in the foreground; checkpoint.initial_load_path no URL yet."""
     _check(
         url_scheme(dump) is None,
         f"job.dump_folder {dump}: a local folder (logs, traces, TensorBoard); a URL is not supported there; keep "
@@ -165,9 +165,9 @@ def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
         problem = object_store_problem(c.folder)
         _check(problem is None, f"checkpoint.folder {c.folder}: {problem}")
         _check(
-            False,
-            f"checkpoint.folder {c.folder}: checkpoints in object storage are not implemented yet; use a local "
-            "folder (relative to job.dump_folder, or absolute)",
+            c.async_mode == "disabled",
+            f"checkpoint.async_mode {c.async_mode} with checkpoint.folder {c.folder}: saving into object storage in "
+            "the background is not supported yet; set checkpoint.async_mode disabled (the loop waits for the upload)",
         )
     src = c.initial_load_path
     _check(
