@@ -105,3 +105,15 @@ def test_s3_a_flipped_bit_in_the_bucket_stops_the_resume_naming_the_object(s3: S
     assert s3.keys("run/checkpoint") == sorted(
         f"step-2/{n}" for n in (".kiln-saving", ".metadata", "kiln.json", "__0_0.distcp")
     )
+
+
+def test_s3_a_held_lock_object_stops_a_second_run_naming_the_holder(s3: S3Server, tmp_path: Path) -> None:
+    url = s3.url("run/checkpoint")
+    s3.write("run/checkpoint/.kiln.lock", b"4242@trainer-7 since 2026-12-02 10:00:00\n")
+    args = tiny_run_args("--job.dump_folder", str(tmp_path), "--training.steps", "2")
+    args += ["--checkpoint.enable_checkpoint", "--checkpoint.folder", url]
+    proc = run_kiln(args, ngpu=1, threads=1)
+    assert_one_line_error(
+        proc, f"checkpoint folder {url} is in use by another kiln run (4242@trainer-7 since 2026-12-02 10:00:00;"
+    )
+    assert s3.keys("run/checkpoint") == [".kiln.lock"]  # neither replaced nor removed

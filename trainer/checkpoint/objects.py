@@ -20,8 +20,9 @@ Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metada
 - One job per URL: rank 0 creates `.kiln.lock` with a conditional put (If-None-Match: *), which the store refuses
   when the object exists, so two jobs cannot both take it; the run deletes it when it ends. A run killed without
   its end (SIGKILL, a lost node) leaves it: the next run refuses, naming the holder and the object to delete.
-- Every request is retried with backoff (RETRIES tries, BACKOFF_S doubling: ~15 s in all), then fails as one
-  CheckpointError line naming the URL; a missing object or a refused permission is not retried.
+- Every request is retried with backoff (RETRIES tries, BACKOFF_S doubling: 15 s of waits, on top of botocore's and
+  s3fs's own retries: a refused connection takes ~8 s a try, ~53 s in all), then fails as one CheckpointError line
+  naming the URL; no such bucket or a refused permission is not retried.
 """
 
 from __future__ import annotations
@@ -103,9 +104,8 @@ class ObjectStore:
             except Exception as e:  # fsspec and botocore raise many types for a transient failure
                 if attempt == RETRIES:
                     raise CheckpointError(
-                        f"object storage: {what} {self.where(name)} failed after {RETRIES} tries over "
-                        f"~{BACKOFF_S * (2 ** (RETRIES - 1) - 1):.0f} s: {_reason(e)} (check the network, the "
-                        "credentials and AWS_ENDPOINT_URL; the newest complete checkpoint in the bucket is intact)"
+                        f"object storage: {what} {self.where(name)} failed after {RETRIES} tries: {_reason(e)} "
+                        "(check the network, the credentials and AWS_ENDPOINT_URL)"
                     ) from None
                 logger.warning(f"object storage: {what} {self.where(name)} failed ({_reason(e)}); trying again")
                 self.sleep(BACKOFF_S * 2 ** (attempt - 1))
