@@ -1,15 +1,19 @@
 """trainer/checkpoint/objects.py against moto's S3 server on localhost (the `s3` fixture): the one-job lock object,
-retries with backoff then one line naming the URL, and which prefixes count, are removed or are left alone."""
+retries with backoff then one line naming the URL, which prefixes count, are removed or are left alone, and a save
+whose upload fails (CheckpointManager in-process, one rank)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 
+from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
 from tests.helpers.s3_server import S3Server
 from trainer.checkpoint import objects
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.objects import ObjectLock, ObjectStore, remove_killed_object_saves, scan_objects
 
 
@@ -85,3 +89,49 @@ def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(s3: S3S
     assert entries["step-4"].kiln_saving and not entries["step-6"].kiln_saving
     remove_killed_object_saves(store)
     assert s3.keys("run/ckpt") == ["step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json", "step-6/.metadata"]
+
+
+class _Step:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+
+def _manager(url: str) -> tuple[CheckpointManager, torch.nn.Linear, _Step]:
+    model, counter = torch.nn.Linear(8, 8, bias=False), _Step()
+    cfg = Checkpoint(enable_checkpoint=True, interval=1)
+    return CheckpointManager(cfg, url, {"model": model, "train_state": counter}), model, counter
+
+
+def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step_loadable(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = s3.url("run/ckpt")
+    saver, model, counter = _manager(url)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    counter.step = 1
+    saver.maybe_save(1)
+    upload = ObjectStore.upload
+
+    def failing(self: ObjectStore, local: str, name: str) -> None:
+        if name.startswith("step-2/"):
+            raise CheckpointError(f"object storage: uploading to {self.where(name)} failed after 5 tries: boom")
+        upload(self, local, name)
+
+    monkeypatch.setattr(ObjectStore, "upload", failing)
+    counter.step = 2
+    with pytest.raises(CheckpointError) as e:
+        saver.maybe_save(2)
+    assert str(e.value).startswith(f"saving checkpoint step-2 into {url} failed (CheckpointError: object storage: ")
+    assert f"{url}/step-1 is the newest complete checkpoint; the partial {url}/step-2/ was removed" in str(e.value)
+    saver.close()
+    assert [k for k in s3.keys("run/ckpt") if not k.startswith("step-1/")] == []  # no step-2/, no lock
+    loader, model, counter = _manager(url)
+    assert loader.load() == 1 and counter.step == 1 and bool((model.weight == 1).all())
+    loader.close()
