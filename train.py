@@ -111,6 +111,8 @@ def exit_now(status: int) -> NoReturn:
 
 def _log_paths(cfg: JobConfig) -> None:
     """Each path the run reads or writes, absolute, once at start-up (relative ones were taken from the cwd)."""
+    from kiln_base.files import output_location
+
     log = logging.getLogger("kiln")
     log.info(f"Config file: {cfg.job.config_file or '(none: defaults and command line)'}")
     log.info(f"Dump folder: {cfg.job.dump_folder}")
@@ -125,7 +127,7 @@ def _log_paths(cfg: JobConfig) -> None:
                 "held-out data; point validation.dataset or validation.dataset_path at a held-out split"
             )
     if cfg.checkpoint.enable_checkpoint:
-        log.info(f"Checkpoint folder: {os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)}")
+        log.info(f"Checkpoint folder: {output_location(cfg.job.dump_folder, cfg.checkpoint.folder)}")
 
 
 def _data_source(name: str, path: str | None) -> str:

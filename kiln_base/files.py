@@ -13,6 +13,9 @@ The rules, each in one function here (docs/checkpoint.md, "A checkpoint from a s
     write_atomic(path, data)        a file kiln writes whole: `.part` (no link followed), fsync, rename
     remove_tree(path)               a folder kiln owns, never through a link
     writable_dir_problem(path)      a folder kiln will write: created now and proven to take a file
+    url_scheme(path)                `s3` for `s3://bucket/run`: a URL names object storage, never a local folder
+    output_location(dump, path)     checkpoint.folder under job.dump_folder, or the URL itself
+    object_store_problem(url)       why kiln cannot keep checkpoints at this URL (scheme, bucket, package), or None
 
 Each raises FileRefused (a ValueError, so the callers' `except (OSError, ValueError)` turn it into their own
 ConfigError, CheckpointError or DataError naming the key) with a message that names the path. Standard library
@@ -22,8 +25,10 @@ only: the config parser uses it too.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -164,4 +169,50 @@ def writable_dir_problem(folder: str) -> str | None:
         os.unlink(probe)
     except OSError as e:
         return f"is not usable: {e.strerror or e} (checked at start, before training)"
+    return None
+
+
+# Object stores kiln keeps checkpoints in: URL scheme -> (the fsspec package that implements it, kiln's extra).
+OBJECT_STORES = {"s3": ("s3fs", "s3")}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(path: str) -> str | None:
+    """The scheme of a URL (`s3` for `s3://bucket/run/checkpoint`), lower case; None for a local path. A URL is
+    never a path: joined under job.dump_folder, `s3://b/x` would be a local folder named `s3:`."""
+    m = _URL.match(path)
+    return m.group(1).lower() if m else None
+
+
+def output_location(dump_folder: str, path: str) -> str:
+    """Where a run writes `path` (checkpoint.folder): under job.dump_folder (an absolute path as it is), or a URL as
+    it is (object storage, never joined as a local folder)."""
+    return path.rstrip("/") if url_scheme(path) is not None else os.path.join(dump_folder, path)
+
+
+def object_store_problem(url: str) -> str | None:
+    """Why kiln cannot keep checkpoints at URL `url` (an unknown scheme, no bucket, its package not installed), or
+    None: a local path, or a store kiln supports with its package installed. Looks the package up without
+    importing it (s3fs pulls in botocore, ~1 s)."""
+    scheme = url_scheme(url)
+    if scheme is None:
+        return None
+    if scheme in ("gs", "gcs"):
+        return (
+            f"{scheme}:// is not supported yet: kiln's object-storage checkpoints are built and tested on s3:// "
+            "(also S3-compatible stores, through AWS_ENDPOINT_URL); use an s3:// URL or a local folder"
+        )
+    if scheme not in OBJECT_STORES:
+        return (
+            f"{scheme}:// is not an object store kiln supports; use s3://BUCKET/PREFIX (S3 or an S3-compatible store "
+            "through AWS_ENDPOINT_URL) or a local folder"
+        )
+    if not url[len(scheme) + 3 :].split("/", 1)[0]:
+        return f"names no bucket; write {scheme}://BUCKET/PREFIX"
+    package, extra = OBJECT_STORES[scheme]
+    if importlib.util.find_spec(package) is None:
+        return (
+            f"{scheme}:// needs the {package} package, which is not installed (pip install {package}, or kiln's "
+            f"extra: pip install -e '.[{extra}]')"
+        )
     return None

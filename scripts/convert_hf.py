@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kiln_base.errors import ConfigError, UserError  # noqa: E402
-from kiln_base.files import FileRefused  # noqa: E402
+from kiln_base.files import FileRefused, url_scheme  # noqa: E402
 from models.args import FAMILIES, ModelArgs  # noqa: E402
 from trainer.checkpoint import hf  # noqa: E402
 from trainer.checkpoint import manager as checkpoint  # noqa: E402
@@ -186,6 +186,18 @@ def _size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
 
 
+def _refuse_urls(a: argparse.Namespace) -> None:
+    """A URL argument is object storage, which convert_hf does not read or write yet: refused, never taken for a
+    local path (`s3://b/x` would become a local folder named `s3:`)."""
+    for key in ("checkpoint", "out_dir", "hf_dir", "folder"):
+        value = getattr(a, key, None)
+        if isinstance(value, str) and url_scheme(value) is not None:
+            raise ConfigError(
+                f"{key} {value}: convert_hf reads and writes local folders only (object storage is not supported "
+                "here yet); copy it to a local folder first (for s3: aws s3 cp --recursive URL DIR)"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # offline use is the intent
     try:
+        _refuse_urls(a)
         if a.command == "to_hf":
             to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor, a.tokenizer, a.max_shard_size, a.name)
         else:

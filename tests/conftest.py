@@ -1,6 +1,6 @@
 """Shared fixtures: process-group and determinism cleanup after every test, the repo root, tiny-run arguments,
-the small debug model, and Trainers that are always closed. The same helpers are importable from tests/helpers/
-(common.py, checkpoints.py) for module-level use."""
+the small debug model, Trainers that are always closed, and a local S3 server (moto). The same helpers are importable
+from tests/helpers/ (common.py, checkpoints.py, s3_server.py) for module-level use."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from models import LLAMA3_FLAVORS
 from tests.helpers.checkpoints import SMALL
 from tests.helpers.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
+from tests.helpers.s3_server import S3Server
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -92,3 +93,13 @@ def make_trainer() -> Iterator[Callable[[list[str]], Trainer]]:
     """make_trainer(argv) -> a Trainer that is closed when the test ends, pass or fail."""
     with contextlib.ExitStack() as stack:
         yield lambda argv: stack.enter_context(open_trainer(argv))
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    """moto's S3 server on a free localhost port with one bucket (tests/helpers/s3_server.py); this process's
+    environment, and so every kiln process the test starts, points at it (AWS_ENDPOINT_URL, test credentials)."""
+    with S3Server() as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        yield server

@@ -69,7 +69,7 @@ from kiln_base.config import (
     resolve_mixed_precision,
 )
 from kiln_base.errors import ConfigError
-from kiln_base.files import writable_dir_problem
+from kiln_base.files import output_location, writable_dir_problem
 from kiln_base.internals import pipeline_warmup_sends_to_own_rank
 from models import ModelArgs, Transformer, active_params, flops_per_token, moe_layers, num_params
 from models.args import FAMILIES, family_of, first_difference
@@ -83,6 +83,7 @@ from parallelisms.seeded_init import init_layout_independent
 from trainer.checkpoint.folder import FolderClaim
 from trainer.checkpoint.initial_load import InitialSource, check_not_inside
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.objects import claim_folder
 from trainer.checkpoint.resume import TrainState, file_sha256, training_settings
 from trainer.components.dist import PeerWatch, init_distributed
 from trainer.components.loss import build_loss_fn
@@ -489,9 +490,10 @@ def checkpointer(
 
 
 def checkpoint_folder(cfg: JobConfig) -> str:
-    """job.dump_folder/checkpoint.folder; under fault tolerance each replica group saves its own checkpoints (its
+    """job.dump_folder/checkpoint.folder, or checkpoint.folder itself when it is a URL (object storage: never a
+    local folder under the dump folder); under fault tolerance each replica group saves its own checkpoints (its
     data-loader position among them) in a folder of its own."""
-    folder, ft = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.fault_tolerance
+    folder, ft = output_location(cfg.job.dump_folder, cfg.checkpoint.folder), cfg.fault_tolerance
     return os.path.join(folder, f"ft_replica_{ft.replica_id}") if ft.enable else folder
 
 
@@ -515,7 +517,7 @@ def check_output_folders(cfg: JobConfig, device_type: str) -> None:
 def claim_checkpoint_folder(cfg: JobConfig) -> FolderClaim | None:
     """With checkpoints on, the run's folder is locked now: a busy, read-only or non-directory folder fails at
     start, not hours in."""
-    return FolderClaim(checkpoint_folder(cfg)) if cfg.checkpoint.enable_checkpoint else None
+    return claim_folder(checkpoint_folder(cfg)) if cfg.checkpoint.enable_checkpoint else None
 
 
 def run_settings(

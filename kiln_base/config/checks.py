@@ -30,6 +30,7 @@ from kiln_base.config.schema import (
     MODEL_FAMILIES,
     PP_SCHEDULES,
     PP_ZERO_BUBBLE,
+    Checkpoint,
     Eval,
     FaultTolerance,
     Float8,
@@ -41,6 +42,7 @@ from kiln_base.config.schema import (
     validation_shape,
 )
 from kiln_base.errors import ConfigError
+from kiln_base.files import object_store_problem, url_scheme
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -101,6 +103,7 @@ def check_config_alone(cfg: JobConfig) -> None:
         cfg.model.flavor != FROM_CHECKPOINT or src is not None,
         "model.flavor from_checkpoint builds the shape stored with checkpoint.initial_load_path, which is not set",
     )
+    _check_checkpoint_urls(cfg.checkpoint, cfg.job.dump_folder)
     _check(
         src is None or os.path.isdir(src),
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
@@ -147,6 +150,31 @@ def check_config_alone(cfg: JobConfig) -> None:
             "metrics.enable_wandb needs the wandb package, which is not installed (pip install 'wandb>=0.17', or "
             "kiln's extra: pip install -e '.[wandb]'); or drop metrics.enable_wandb",
         )
+
+
+def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
+    """A URL (`scheme://...`) names object storage, never a folder under job.dump_folder (which would make a local
+    folder named `s3:`): checkpoint.folder takes an s3:// URL with s3fs installed (trainer/checkpoint/objects.py),
+    saved in the foreground; checkpoint.initial_load_path no URL yet."""
+    _check(
+        url_scheme(dump) is None,
+        f"job.dump_folder {dump}: a local folder (logs, traces, TensorBoard); a URL is not supported there; keep "
+        "checkpoints in object storage with checkpoint.folder s3://BUCKET/PREFIX",
+    )
+    if c.enable_checkpoint and url_scheme(c.folder) is not None:
+        problem = object_store_problem(c.folder)
+        _check(problem is None, f"checkpoint.folder {c.folder}: {problem}")
+        _check(
+            c.async_mode == "disabled",
+            f"checkpoint.async_mode {c.async_mode} with checkpoint.folder {c.folder}: saving into object storage in "
+            "the background is not supported yet; set checkpoint.async_mode disabled (the loop waits for the upload)",
+        )
+    src = c.initial_load_path
+    _check(
+        src is None or url_scheme(src) is None,
+        f"checkpoint.initial_load_path {src}: loading initial weights from a URL is not supported yet; copy them to "
+        "a local folder first (for s3: aws s3 cp --recursive URL DIR) and give that folder",
+    )
 
 
 def _check_eval_files(cfg: Eval) -> None:

@@ -23,7 +23,7 @@ from kiln_base.config.schema import JobConfig
 from kiln_base.config.torchtitan_compat import resolve as resolve_torchtitan_names
 from kiln_base.config.values import lookup, set_value
 from kiln_base.errors import ConfigError
-from kiln_base.files import FileRefused, MiB, read_bounded
+from kiln_base.files import FileRefused, MiB, read_bounded, url_scheme
 
 MAX_CONFIG_BYTES = 1 * MiB  # kiln's own configs are ~2 KB
 
@@ -39,6 +39,8 @@ def resolve_input_path(path: str) -> str:
     `assets/...`, and `CONFIG_FILE=train_configs/x.toml` works from any directory. The current directory wins
     when both exist; the start-up log prints the path chosen.
     """
+    if url_scheme(path) is not None:  # a URL is never a local path (the config checks decide whether it is valid)
+        return path
     path = os.path.expanduser(path)
     if os.path.isabs(path):
         return os.path.normpath(path)
@@ -48,7 +50,10 @@ def resolve_input_path(path: str) -> str:
 
 
 def resolve_output_path(path: str) -> str:
-    """A folder kiln writes to, as an absolute path: relative to the current directory, never kiln's."""
+    """A folder kiln writes to, as an absolute path: relative to the current directory, never kiln's. A URL stays
+    as it is: made absolute, `s3://b/x` would be a local folder named `s3:`."""
+    if url_scheme(path) is not None:
+        return path
     return os.path.abspath(os.path.expanduser(path))
 
 

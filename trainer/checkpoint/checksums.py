@@ -55,7 +55,12 @@ def file_checksum(path: str) -> str:
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer, recording the checksum of every file this rank writes (module docstring)."""
+    """DCP's file writer, recording the checksum of every file this rank writes (module docstring); `sums` holds
+    them once written (object storage gathers them from every rank instead of reading the sidecars)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sums: dict[str, str] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         done = super().write_data(plan, planner)  # FileSystemWriter writes before it returns (a completed future)
@@ -63,6 +68,7 @@ class ChecksummingWriter(FileSystemWriter):
         sums = {name: file_checksum(os.path.join(self.path, name)) for name in files}
         rank = dist.get_rank() if dist.is_initialized() else 0
         write_atomic(os.path.join(self.path, f"{SIDECAR}{rank}.json"), json.dumps(sums).encode())
+        self.sums = sums
         return done
 
 

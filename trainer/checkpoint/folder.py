@@ -49,7 +49,7 @@ SAVING = ".kiln-saving"  # written into step-N.tmp when kiln starts a save there
 LOCK_FILE = ".kiln.lock"
 NEW, REMOVING = ".kiln-new-", ".kiln-removing-"  # private names: a save being created, a folder being deleted
 # The names save_name writes: no leading zeros, at most 18 digits (a step is an int64).
-_NAME = re.compile(r"^(export-)?step-(0|[1-9]\d{0,17})(\.tmp)?$")
+STEP_NAME = re.compile(r"^(export-)?step-(0|[1-9]\d{0,17})(\.tmp)?$")
 MARKER_LIMIT = 1 << 20  # kiln.json is ~1 KB
 
 
@@ -88,6 +88,10 @@ class Entry:
             return None
         return marker if isinstance(marker, dict) else None
 
+    def place(self) -> str:
+        """Where this checkpoint is, as kiln.json's written_to records it (the resolved path)."""
+        return os.path.realpath(self.path)
+
     def published_here(self) -> dict[str, Any] | None:
         """kiln.json if it proves kiln published this very folder (save order and place recorded), else None."""
         marker = self.marker()
@@ -95,7 +99,7 @@ class Entry:
             self.tmp
             or marker is None
             or not isinstance(marker.get("save_seq"), int)
-            or marker.get("written_to") != os.path.realpath(self.path)
+            or marker.get("written_to") != self.place()
             or marker.get("step") != self.step
             or bool(marker.get("model_weights_only")) != self.export
             or not self.has_metadata
@@ -112,7 +116,7 @@ def scan(folder: str, others: bool = False) -> list[Entry]:
         return []
     entries = []
     for name in os.listdir(folder):
-        m = _NAME.match(name)
+        m = STEP_NAME.match(name)
         path = os.path.join(folder, name)
         real_dir = os.path.isdir(path) and not os.path.islink(path)
         if m and real_dir != others:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln_base.errors import CheckpointError, ConfigError
-from kiln_base.files import loads_json, read_bounded
+from kiln_base.files import loads_json, read_bounded, url_scheme
 from models.args import ModelArgs, stored_model_args
 from trainer.checkpoint.checksums import verify
 from trainer.checkpoint.folder import MARKER_LIMIT, agree
@@ -74,7 +74,10 @@ def open_source(path: str) -> InitialSource:
 
 
 def check_not_inside(source: InitialSource, checkpoint_folder: str) -> None:
-    """The run's checkpoint folder must be neither the source nor inside it, nor hold it."""
+    """The run's checkpoint folder must be neither the source nor inside it, nor hold it (a URL folder, object
+    storage, cannot: the source is a local folder)."""
+    if url_scheme(checkpoint_folder) is not None:
+        return
     src = os.path.realpath(source.path)
     own = os.path.realpath(checkpoint_folder)
     for a, b in ((src, own), (own, src)):

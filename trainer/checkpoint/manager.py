@@ -15,6 +15,10 @@ mid-save leaves the previous checkpoint as the latest; the marked `.tmp` is remo
 
 Safety: every read goes through trainer/checkpoint/reader.py (no code runs from a checkpoint); the folder's
 lock, names and retention rules are in trainer/checkpoint/folder.py.
+
+Object storage (`checkpoint.folder s3://...`): the same names and rules, kept by trainer/checkpoint/objects.py (no
+rename there: a step is written in place and counts once its kiln.json, written last, exists); DCP writes into a
+local staging folder and each rank uploads its files; a load reads a downloaded copy through the same reader.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -44,8 +49,9 @@ from torch.distributed.tensor import DTensor
 
 from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
+from kiln_base.files import url_scheme
 from kiln_base.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
-from trainer.checkpoint.checksums import ChecksummingWriter, collect, verify
+from trainer.checkpoint.checksums import METADATA, ChecksummingWriter, collect, file_checksum, verify
 from trainer.checkpoint.folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
@@ -58,6 +64,19 @@ from trainer.checkpoint.folder import (
     remove_killed_saves,
     save_name,
     scan,
+)
+from trainer.checkpoint.objects import (
+    ObjectEntry,
+    ObjectStore,
+    claim_folder,
+    download_step,
+    prepare_object_save,
+    publish_object,
+    purge_objects,
+    remove_killed_object_save,
+    remove_killed_object_saves,
+    scan_objects,
+    upload_step,
 )
 from trainer.checkpoint.reader import (
     IncompleteCheckpointError,
@@ -253,6 +272,15 @@ def _model_key_order(key: str) -> tuple[int, int]:
     return ({"tok_embeddings": 0, "norm": 2, "output": 3}.get(head, 4), 0)
 
 
+def _gathered(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (itself alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)  # object collectives run on CPU (gloo) in kiln's process groups
+    return out
+
+
 class CheckpointManager:
     """Saves and loads `states` (model, optimizer, lr_scheduler, dataloader, train_state) under `folder`."""
 
@@ -264,7 +292,7 @@ class CheckpointManager:
         claim: FolderClaim | None = None,
         held_elsewhere: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
-        """`claim`: FolderClaim(folder) when the caller claimed the folder already (the Trainer does, before it
+        """`claim`: claim_folder(folder) when the caller claimed the folder already (the Trainer does, before it
         builds the model); otherwise it is claimed here: created, checked writable, locked. `held_elsewhere`: the
         model keys other pipeline stages hold (their ranks save them; check_matches)."""
         self.cfg = cfg
@@ -273,7 +301,9 @@ class CheckpointManager:
         self.states = states
         self.enabled = cfg.enable_checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.claim = (claim or FolderClaim(folder)) if self.enabled else claim
+        self.claim = (claim or claim_folder(folder)) if self.enabled else claim
+        self.store = ObjectStore(folder) if self.enabled and url_scheme(folder) is not None else None
+        self._downloads: str | None = None  # the local folder a load downloads object-storage steps into
         self.mode = cfg.async_mode
         if self.enabled and self.mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             logger.warning("checkpoint.async_mode async_with_pinned_mem needs CUDA; saving with async_mode=async")
@@ -333,6 +363,35 @@ class CheckpointManager:
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
 
+    # ------------------------------------------------------------------ the folder or the bucket
+
+    def _entries(self) -> list[Entry]:
+        return list(scan_objects(self.store)) if self.store is not None else scan(self.folder)
+
+    def _complete_steps(self) -> list[int]:
+        return [e.step for e in self._entries() if not e.export and not e.tmp and e.has_metadata]
+
+    @contextlib.contextmanager
+    def _local(self, entry: Entry) -> Iterator[str]:
+        """The local folder to read `entry` from: itself, or (object storage) its download, fetched once per load;
+        a CheckpointError raised inside names the object-storage step, not its download."""
+        if not isinstance(entry, ObjectEntry):
+            yield entry.path
+            return
+        if self._downloads is None:
+            self._downloads = tempfile.mkdtemp(prefix="kiln-download-")
+        local = os.path.join(self._downloads, entry.name)
+        if not os.path.isdir(local):
+            download_step(entry, self._downloads)
+        try:
+            yield local
+        except CheckpointError as e:
+            raise type(e)(str(e).replace(local, entry.path)) from None
+
+    def _read_metadata(self, entry: Entry) -> Metadata:
+        with self._local(entry) as local:
+            return read_metadata(local)
+
     # ------------------------------------------------------------------ load
 
     def _is_weights_only(self, entry: Entry, md: Metadata) -> bool:
@@ -351,10 +410,11 @@ class CheckpointManager:
         broken: list[str] = []
         for entry in sorted((e for e in entries if not e.export and not e.tmp), key=lambda e: -e.step):
             if not entry.has_metadata:
-                broken.append(f"{entry.path} has no .metadata (an incomplete copy?)")
+                what = f"no {MARKER} or .metadata (kiln writes {MARKER} last)" if self.store else "no .metadata"
+                broken.append(f"{entry.path} has {what} (an incomplete copy?)")
                 continue
             try:
-                md = read_metadata(entry.path)
+                md = self._read_metadata(entry)
             except IncompleteCheckpointError as e:
                 broken.append(str(e))
                 continue
@@ -383,12 +443,12 @@ class CheckpointManager:
                 f"checkpoint.load_step {want}: no complete checkpoint {step_dir(self.folder, want)} "
                 f"(available steps: {available or 'none'})"
             )
-        md = read_metadata(entry.path)
+        md = self._read_metadata(entry)
         later = []
         for e in by_step.values():
             if e.step > want and e.has_metadata:
                 try:
-                    if not self._is_weights_only(e, read_metadata(e.path)):
+                    if not self._is_weights_only(e, self._read_metadata(e)):
                         later.append(e.name)
                 except IncompleteCheckpointError:
                     continue  # a damaged later folder is no resume point: it does not block a rollback
@@ -405,7 +465,8 @@ class CheckpointManager:
         if last_step is None:
             return
         clashes = []
-        others = scan(self.folder, others=True)  # links, files: never written through or replaced
+        # links, files: never written through or replaced (object storage has neither)
+        others = scan(self.folder, others=True) if self.store is None else []
         for e in [*entries, *others]:
             if not (start < e.step <= last_step and self.due(e.step, e.step == last_step)):
                 continue
@@ -434,7 +495,15 @@ class CheckpointManager:
         """
         if not self.enabled:
             return 0
-        entries = scan(self.folder)
+        try:
+            return self._load(last_step)
+        finally:
+            if self._downloads is not None:
+                shutil.rmtree(self._downloads, ignore_errors=True)
+                self._downloads = None
+
+    def _load(self, last_step: int | None) -> int:
+        entries = self._entries()
         chosen = self._requested(entries) if self.cfg.load_step >= 0 else self._latest(entries)
         if chosen is None:
             self._check_planned_saves(entries, 0, last_step)
@@ -449,8 +518,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
-        verify(path)  # a damaged file or record: CheckpointError naming it, on every rank
-        load(sd, path, md)
+        with self._local(entry) as local:  # object storage: the downloaded bytes are what is checked and read
+            verify(local)  # a damaged file or record: CheckpointError naming it, on every rank
+            load(sd, local, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]
         set_model_state_dict(model, {k: v for k, v in sd.items() if is_model_key(k)})
@@ -494,7 +564,9 @@ class CheckpointManager:
 
     def _remove_killed_saves(self) -> None:
         self._barrier()  # every rank has listed the folder before rank 0 changes it
-        if self.rank == 0:
+        if self.rank == 0 and self.store is not None:
+            remove_killed_object_saves(self.store)
+        elif self.rank == 0:
             remove_killed_saves(self.folder)
 
     # ------------------------------------------------------------------ save
@@ -523,11 +595,14 @@ class CheckpointManager:
         error = None
         if self.rank == 0:
             try:
-                prepare_save(self.folder, name)
+                if self.store is not None:
+                    prepare_object_save(self.store, name)
+                else:
+                    prepare_save(self.folder, name)
             except CheckpointError as e:
                 error = str(e)
             except OSError as e:  # a full disk or a read-only remount: nothing of this save exists yet
-                newest = complete_steps(self.folder)
+                newest = self._complete_steps()
                 intact = f"; {step_dir(self.folder, newest[-1])} is intact" if newest else ""
                 error = f"saving checkpoint {name}: cannot create {name}.tmp in {self.folder}: {e}{intact}"
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -567,6 +642,11 @@ class CheckpointManager:
             sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
         name = save_name(step, export=weights_only)
         self._prepare(name)
+        if self.store is not None:
+            with self._writing(name):
+                self._save_to_store(sd, step, weights_only)
+            logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
+            return
         tmp = os.path.join(self.folder, name + ".tmp")
         if background:
             kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
@@ -580,6 +660,36 @@ class CheckpointManager:
             dcp.save(sd, checkpoint_id=tmp, storage_writer=ChecksummingWriter(tmp))
             self._publish(step, weights_only)
         logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
+
+    def _save_to_store(self, sd: dict[str, Any], step: int, weights_only: bool) -> None:
+        """Object storage: DCP writes this rank's files into a local staging folder (checksummed as written), each
+        rank uploads its own; once all have, rank 0 uploads the index, then kiln.json last (objects.py)."""
+        assert self.store is not None
+        name = save_name(step, export=weights_only)
+        stage = tempfile.mkdtemp(prefix="kiln-stage-")
+        try:
+            local = os.path.join(stage, name)
+            writer = ChecksummingWriter(local)
+            dcp.save(sd, checkpoint_id=local, storage_writer=writer)
+            error = None
+            try:
+                upload_step(self.store, local, name, writer.sums)
+            except CheckpointError as e:
+                error = str(e)
+            results = _gathered((error, writer.sums))  # every rank's uploads done (or failed) before the index
+            error = next((e for e, _ in results if e is not None), None)
+            if error is not None:
+                raise CheckpointError(error)
+            if self.rank != 0:
+                return
+            checksums = {file: crc for _, sums in results for file, crc in sums.items()}
+            checksums[METADATA] = file_checksum(os.path.join(local, METADATA))
+            self.store.upload(os.path.join(local, METADATA), f"{name}/{METADATA}")
+            dtype = self.cfg.export_dtype if weights_only else "float32"
+            publish_object(self.store, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
+            purge_objects(self.store, self.cfg.keep_latest_k)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -600,17 +710,21 @@ class CheckpointManager:
         failure: it passes through to train.py's lost-peer report."""
         try:
             yield
-        except (CheckpointException, OSError) as e:
+        except (CheckpointException, OSError, CheckpointError) as e:
+            if isinstance(e, CheckpointError) and self.store is None:
+                raise  # a refusal of the folder's rules, not a failed write
             failures = getattr(e, "failures", None)
             cause = next(iter(failures.values()))[0] if failures else e
             reason = " ".join(f"{type(cause).__name__}: {cause}".split())[:200]
+            if self.store is not None:
+                self._failed_upload(name, reason)
             if self.rank == 0:
                 remove_killed_save(self.folder, name)
             try:
                 free = f"{shutil.disk_usage(self.folder).free / 2**20:,.0f} MiB free"
             except OSError:
                 free = "free space unknown"
-            done = complete_steps(self.folder)
+            done = self._complete_steps()
             good = "no complete checkpoint was saved before this one"
             if done:
                 good = f"{step_dir(self.folder, done[-1])} is the newest complete checkpoint and is intact"
@@ -619,6 +733,28 @@ class CheckpointManager:
                 f"{good}; the partial {name}.tmp was removed. Free space (or set checkpoint.folder elsewhere) and "
                 "run again to resume"
             ) from None
+
+    def _failed_upload(self, name: str, reason: str) -> None:
+        """The one line for a save into object storage that failed; rank 0 first deletes what it left (or leaves it
+        to the next start, which removes a killed save)."""
+        assert self.store is not None
+        left = f"the partial {os.path.join(self.folder, name)}/ was removed"
+        if self.rank == 0:
+            try:
+                remove_killed_object_save(self.store, name)
+            except CheckpointError:
+                left = f"the partial {os.path.join(self.folder, name)}/ is removed at the next start"
+        try:
+            done = self._complete_steps()
+            good = (
+                f"{step_dir(self.folder, done[-1])} is the newest complete checkpoint" if done else "none is saved yet"
+            )
+        except CheckpointError:
+            good = "the complete checkpoints before it are untouched"
+        raise CheckpointError(
+            f"saving checkpoint {name} into {self.folder} failed ({reason}); {good}; {left}. Check the bucket's "
+            "credentials, permissions and reachability and run again to resume"
+        ) from None
 
     def _publish(self, step: int, weights_only: bool) -> None:
         """Rank 0: make a finished save visible (marker, then rename), then apply keep_latest_k.

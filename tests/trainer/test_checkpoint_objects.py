@@ -1,0 +1,137 @@
+"""trainer/checkpoint/objects.py against moto's S3 server on localhost (the `s3` fixture): the one-job lock object,
+retries with backoff then one line naming the URL, which prefixes count, are removed or are left alone, and a save
+whose upload fails (CheckpointManager in-process, one rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kiln_base.config import Checkpoint
+from kiln_base.errors import CheckpointError
+from tests.helpers.s3_server import S3Server
+from trainer.checkpoint import objects
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.objects import ObjectLock, ObjectStore, remove_killed_object_saves, scan_objects
+
+
+def test_lock_object_refuses_a_second_run_naming_the_holder_until_released(s3: S3Server) -> None:
+    store = ObjectStore(s3.url("run/ckpt"))
+    first = ObjectLock(store)
+    assert s3.keys("run/ckpt") == [".kiln.lock"]
+    with pytest.raises(CheckpointError) as e:
+        ObjectLock(ObjectStore(s3.url("run/ckpt")))
+    holder = s3.read("run/ckpt/.kiln.lock").decode()
+    assert f"checkpoint folder {s3.url('run/ckpt')} is in use by another kiln run ({holder.strip()}" in str(e.value)
+    assert "delete the lock object" in str(e.value)
+    first.release()
+    assert s3.keys("run/ckpt") == []
+    ObjectLock(ObjectStore(s3.url("run/ckpt"))).release()  # free again
+
+
+class _Flaky:
+    """An fsspec filesystem stand-in whose `find` fails `failures` times (a dropped connection), then answers."""
+
+    def __init__(self, failures: int, error: Exception) -> None:
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def find(self, root: str, detail: bool = False) -> list[str]:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return [f"{root}/step-2/kiln.json"]
+
+
+def _store(s3: S3Server, fs: Any, waits: list[float]) -> ObjectStore:
+    store = ObjectStore(s3.url("run/ckpt"), sleep=waits.append)
+    store.fs = fs
+    return store
+
+
+def test_a_transient_failure_is_retried_with_doubling_waits(s3: S3Server) -> None:
+    waits: list[float] = []
+    fs = _Flaky(2, ConnectionResetError("connection reset by peer"))
+    assert _store(s3, fs, waits).listing() == {"step-2": {"kiln.json"}}
+    assert fs.calls == 3 and waits == [1.0, 2.0]
+
+
+def test_a_lasting_failure_is_one_line_naming_the_url_after_the_tries(s3: S3Server) -> None:
+    waits: list[float] = []
+    fs = _Flaky(99, TimeoutError("read timed out"))
+    with pytest.raises(CheckpointError) as e:
+        _store(s3, fs, waits).listing()
+    assert str(e.value).startswith(
+        f"object storage: listing {s3.url('run/ckpt')}/ failed after {objects.RETRIES} tries: TimeoutError: read timed "
+        "out (check the network, the credentials and AWS_ENDPOINT_URL)"
+    )
+    assert fs.calls == objects.RETRIES and waits == [1.0, 2.0, 4.0, 8.0]
+
+
+def test_a_refused_permission_is_not_retried(s3: S3Server) -> None:
+    waits: list[float] = []
+    fs = _Flaky(99, PermissionError("Access Denied"))
+    with pytest.raises(CheckpointError, match="failed: PermissionError: Access Denied"):
+        _store(s3, fs, waits).listing()
+    assert fs.calls == 1 and waits == []
+
+
+def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(s3: S3Server) -> None:
+    for key in ("step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json"):  # complete
+        s3.write(f"run/ckpt/{key}", b"{}")
+    for key in ("step-4/.kiln-saving", "step-4/.metadata", "step-4/__0_0.distcp"):  # killed before its marker
+        s3.write(f"run/ckpt/{key}", b"x")
+    s3.write("run/ckpt/step-6/.metadata", b"x")  # not kiln's: no .kiln-saving, no kiln.json
+    store = ObjectStore(s3.url("run/ckpt"))
+    entries = {e.name: e for e in scan_objects(store)}
+    assert [n for n, e in entries.items() if e.has_metadata and not e.tmp] == ["step-2"]
+    assert entries["step-4"].kiln_saving and not entries["step-6"].kiln_saving
+    remove_killed_object_saves(store)
+    assert s3.keys("run/ckpt") == ["step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json", "step-6/.metadata"]
+
+
+class _Step:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+
+def _manager(url: str) -> tuple[CheckpointManager, torch.nn.Linear, _Step]:
+    model, counter = torch.nn.Linear(8, 8, bias=False), _Step()
+    cfg = Checkpoint(enable_checkpoint=True, interval=1)
+    return CheckpointManager(cfg, url, {"model": model, "train_state": counter}), model, counter
+
+
+def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step_loadable(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = s3.url("run/ckpt")
+    saver, model, counter = _manager(url)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    counter.step = 1
+    saver.maybe_save(1)
+    upload = ObjectStore.upload
+
+    def failing(self: ObjectStore, local: str, name: str) -> None:
+        if name.startswith("step-2/"):
+            raise CheckpointError(f"object storage: uploading to {self.where(name)} failed after 5 tries: boom")
+        upload(self, local, name)
+
+    monkeypatch.setattr(ObjectStore, "upload", failing)
+    counter.step = 2
+    with pytest.raises(CheckpointError) as e:
+        saver.maybe_save(2)
+    assert str(e.value).startswith(f"saving checkpoint step-2 into {url} failed (CheckpointError: object storage: ")
+    assert f"{url}/step-1 is the newest complete checkpoint; the partial {url}/step-2/ was removed" in str(e.value)
+    saver.close()
+    assert [k for k in s3.keys("run/ckpt") if not k.startswith("step-1/")] == []  # no step-2/, no lock
+    loader, model, counter = _manager(url)
+    assert loader.load() == 1 and counter.step == 1 and bool((model.weight == 1).all())
+    loader.close()

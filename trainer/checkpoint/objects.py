@@ -1,0 +1,355 @@
+"""Checkpoints in object storage (`s3://BUCKET/PREFIX`, through fsspec's s3fs): the local folder's promises on a store
+that has no rename, no lock and no partial listing guarantees beyond what it wrote.
+
+Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metadata`, one `__R_0.distcp` per rank,
+`.kiln-saving` and `kiln.json`; `{url}/.kiln.lock` is the one-job lock. kiln reads no other key.
+
+- A step counts only once its kiln.json exists, and kiln.json is written last: rank 0 writes `step-N/.kiln-saving`
+  first (the prefix is kiln's from then on); every rank has DCP write its files into a local staging folder through
+  ChecksummingWriter (the CRC-32 of each staged file) and uploads them under `step-N/`; once every rank's upload has
+  succeeded, rank 0 uploads `.metadata`, then kiln.json with every file's checksum. A kill at any moment before
+  leaves a prefix without kiln.json: never loaded, never counted as the latest, and (it holds `.kiln-saving`)
+  deleted at the next start as a killed save. A prefix without either is not kiln's: left alone, never written into.
+- keep_latest_k deletes only steps whose kiln.json proves kiln published them at this URL (save_seq and written_to,
+  as folder.Entry.published_here), by save order: kiln.json first (the step stops counting), `.kiln-saving` last
+  (until then the rest is a killed save, removed at the next start).
+- Loading downloads the chosen step's files (`.metadata`, kiln.json, the `.distcp` files; plain names only, so a key
+  cannot name a place outside the download) into a local folder and reads them exactly as a local checkpoint: the
+  checksums are checked on the downloaded bytes, `.metadata` through the restricted unpickler, each record inside
+  the folder (trainer/checkpoint/reader.py). Each rank downloads the whole step (not yet read-once).
+- One job per URL: rank 0 creates `.kiln.lock` with a conditional put (If-None-Match: *), which the store refuses
+  when the object exists, so two jobs cannot both take it; the run deletes it when it ends. A run killed without
+  its end (SIGKILL, a lost node) leaves it: the next run refuses, naming the holder and the object to delete.
+- Every request is retried with backoff (RETRIES tries, BACKOFF_S doubling: 15 s of waits, on top of botocore's and
+  s3fs's own retries: a refused connection takes ~8 s a try, ~53 s in all), then fails as one CheckpointError line
+  naming the URL; no such bucket or a refused permission is not retried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from kiln_base.errors import CheckpointError
+from kiln_base.files import FileRefused, loads_json, url_scheme
+from trainer.checkpoint.folder import (
+    LOCK_FILE,
+    MARKER,
+    MARKER_LIMIT,
+    SAVING,
+    STEP_NAME,
+    Entry,
+    FolderClaim,
+    agree,
+)
+
+logger = logging.getLogger("kiln")
+
+RETRIES = 5
+BACKOFF_S = 1.0  # then 2, 4, 8 s: ~15 s of waiting before a request is given up
+METADATA = ".metadata"
+# The names a step prefix may hold that kiln downloads: DCP's index, kiln.json and the ranks' data files.
+_READ = re.compile(r"^(\.metadata|kiln\.json|__\d{1,6}_\d{1,6}\.distcp)$")
+_NOT_TRANSIENT = (FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+T = TypeVar("T")
+
+
+def _reason(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+class ObjectStore:
+    """The fsspec filesystem behind one checkpoint URL; every request retried (`retried`). Credentials and the
+    endpoint come from the standard environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, an instance role)."""
+
+    def __init__(self, url: str, sleep: Callable[[float], None] = time.sleep) -> None:
+        from fsspec.core import url_to_fs
+
+        self.url = url.rstrip("/")
+        self.sleep = sleep
+        # No listing cache: kiln lists right after it writes or deletes, and must see what is there now.
+        self.fs, self.root = url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
+        self.root = self.root.rstrip("/")
+
+    def key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def retried(self, what: str, name: str, fn: Callable[[], T], absent_ok: bool = False) -> T:
+        """fn(), tried again after a transient failure (a timeout, a dropped connection, a 5xx), RETRIES times in
+        all with doubling waits; then one CheckpointError naming the URL. A refused permission or a missing bucket
+        is one at once; with `absent_ok` a missing object raises FileNotFoundError (the caller asked if it exists)."""
+        for attempt in range(1, RETRIES + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                if absent_ok:
+                    raise
+                raise CheckpointError(
+                    f"object storage: {what} {self.where(name)} failed: no such bucket or object (check the URL)"
+                ) from None
+            except _NOT_TRANSIENT as e:
+                raise CheckpointError(f"object storage: {what} {self.where(name)} failed: {_reason(e)}") from None
+            except Exception as e:  # fsspec and botocore raise many types for a transient failure
+                if attempt == RETRIES:
+                    raise CheckpointError(
+                        f"object storage: {what} {self.where(name)} failed after {RETRIES} tries: {_reason(e)} "
+                        "(check the network, the credentials and AWS_ENDPOINT_URL)"
+                    ) from None
+                logger.warning(f"object storage: {what} {self.where(name)} failed ({_reason(e)}); trying again")
+                self.sleep(BACKOFF_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    def listing(self) -> dict[str, set[str]]:
+        """Every key under the URL, as {first name: the names below it}; a top-level object maps to {""}."""
+        keys = self.retried("listing", "", lambda: self.fs.find(self.root, detail=False))
+        out: dict[str, set[str]] = {}
+        for key in keys:
+            rel = key[len(self.root) + 1 :] if key.startswith(self.root + "/") else None
+            if not rel:
+                continue
+            head, _, rest = rel.partition("/")
+            out.setdefault(head, set()).add(rest)
+        return out
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The object's bytes, refused past `limit` (FileRefused); FileNotFoundError when it does not exist."""
+        data = self.retried(
+            "reading", name, lambda: self.fs.cat_file(self.key(name), start=0, end=limit + 1), absent_ok=True
+        )
+        if len(data) > limit:  # a ValueError, as read_bounded's refusal: "not kiln's" to the callers
+            raise FileRefused(f"{self.where(name)} is larger than the {limit:,} bytes kiln reads for it")
+        return data
+
+    def write(self, name: str, data: bytes) -> None:
+        self.retried("writing", name, lambda: self.fs.pipe_file(self.key(name), data))
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Write the object only if it does not exist (a conditional put); False when it exists."""
+
+        def put() -> bool:
+            try:
+                self.fs.pipe_file(self.key(name), data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        return self.retried("creating", name, put)
+
+    def upload(self, local: str, name: str) -> None:
+        self.retried("uploading to", name, lambda: self.fs.put_file(local, self.key(name)))
+
+    def download(self, name: str, local: str) -> None:
+        self.retried("downloading", name, lambda: self.fs.get_file(self.key(name), local))
+
+    def remove(self, name: str) -> None:
+        """Delete the object; one already gone is fine (a retried delete that succeeded the first time)."""
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(self.key(name))
+            except FileNotFoundError:
+                pass
+
+        self.retried("deleting", name, rm)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectEntry(Entry):
+    """One `step-N` / `export-step-N` prefix in object storage: `files`, the names under it when it was listed."""
+
+    files: frozenset[str] = frozenset()
+    store: ObjectStore | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def has_metadata(self) -> bool:
+        """Complete: its kiln.json, written last, exists (and its index)."""
+        return METADATA in self.files and MARKER in self.files
+
+    @property
+    def kiln_saving(self) -> bool:
+        """A save kiln started here and never published (or a deletion kiln began): kiln's to remove. Such a
+        prefix is listed as `tmp`, as a local `.tmp` folder is: never loaded, counted or purged."""
+        return self.tmp
+
+    def marker(self) -> dict[str, Any] | None:
+        if MARKER not in self.files or self.store is None:
+            return None
+        try:
+            marker = loads_json(self.store.read(f"{self.name}/{MARKER}", MARKER_LIMIT))
+        except (FileNotFoundError, ValueError):
+            return None
+        return marker if isinstance(marker, dict) else None
+
+    def place(self) -> str:
+        return self.path
+
+
+def scan_objects(store: ObjectStore) -> list[ObjectEntry]:
+    """The step prefixes kiln may own under the URL, in step order (one listing)."""
+    entries = []
+    for name, below in store.listing().items():
+        m = STEP_NAME.match(name)
+        if m and not m.group(3):  # no `.tmp` names in object storage: a step is published in place
+            files = frozenset(n for n in below if n and "/" not in n)
+            saving = SAVING in files and MARKER not in files
+            entries.append(ObjectEntry(store.where(name), int(m.group(2)), bool(m.group(1)), saving, files, store))
+    return sorted(entries, key=lambda e: (e.step, e.export))
+
+
+def remove_step(store: ObjectStore, entry: ObjectEntry) -> None:
+    """Delete a step prefix kiln owns: kiln.json first (it stops counting), `.kiln-saving` last (until then what is
+    left is a killed save, removed at the next start)."""
+    rest = sorted(entry.files - {MARKER, SAVING})
+    for name in ([MARKER] if MARKER in entry.files else []) + rest + [SAVING]:
+        store.remove(f"{entry.name}/{name}")
+
+
+def prepare_object_save(store: ObjectStore, name: str) -> None:
+    """Rank 0, before a save: mark `name/` as kiln's with `.kiln-saving`; refuse a prefix that holds a checkpoint
+    or objects kiln did not start; remove kiln's own killed save there (the lock proves its writer is gone)."""
+    entry = next((e for e in scan_objects(store) if e.name == name), None)
+    if entry is not None and entry.files:
+        if MARKER in entry.files:
+            raise CheckpointError(
+                f"{entry.path} already exists; kiln does not write over a checkpoint: delete it from the bucket or "
+                "set another checkpoint.folder"
+            )
+        if not entry.kiln_saving:
+            raise CheckpointError(
+                f"{entry.path}/ holds objects kiln did not write ({sorted(entry.files)[0]}, ...); kiln writes no step "
+                "there: delete them or set another checkpoint.folder"
+            )
+        remove_step(store, entry)
+    mark = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    store.write(f"{name}/{SAVING}", json.dumps(mark).encode())
+
+
+def upload_step(store: ObjectStore, local: str, name: str, files: Iterable[str]) -> None:
+    """This rank's files of save `name`, from its staging folder `local`, under `name/`."""
+    for file in sorted(files):
+        store.upload(os.path.join(local, file), f"{name}/{file}")
+
+
+def publish_object(store: ObjectStore, name: str, marker: dict[str, Any]) -> None:
+    """Rank 0, once every rank's files and `.metadata` are uploaded: kiln.json, last (with save order and place)."""
+    seqs = [m.get("save_seq") for e in scan_objects(store) if (m := e.marker()) is not None]
+    seq = 1 + max((s for s in seqs if isinstance(s, int)), default=0)
+    marker = {**marker, "save_seq": seq, "written_to": store.where(name)}
+    store.write(f"{name}/{MARKER}", json.dumps(marker, indent=1).encode())
+
+
+def purge_objects(store: ObjectStore, keep: int) -> None:
+    """keep_latest_k: per kind (full, export), delete all but the newest `keep` saves kiln published at this URL."""
+    if keep <= 0:
+        return
+    entries = scan_objects(store)
+    for export in (False, True):
+        ours = [(m["save_seq"], e) for e in entries if e.export == export and (m := e.published_here())]
+        for _, e in sorted(ours, key=lambda x: x[0])[:-keep]:
+            logger.info(f"checkpoint.keep_latest_k={keep}: deleting {e.path} (superseded)")
+            try:
+                remove_step(store, e)
+            except CheckpointError as err:  # the new step is published: a failed deletion does not fail the save
+                logger.warning(
+                    f"{err}; {e.path} is deleted by a later save, or at the next start once its kiln.json is gone"
+                )
+                return
+
+
+def remove_killed_object_save(store: ObjectStore, name: str) -> None:
+    """Rank 0, after a failed save of `name`: delete what it wrote (its prefix is kiln's and unpublished)."""
+    entry = next((e for e in scan_objects(store) if e.name == name), None)
+    if entry is not None and entry.kiln_saving:
+        remove_step(store, entry)
+
+
+def remove_killed_object_saves(store: ObjectStore) -> None:
+    """Rank 0, at start: delete kiln's own killed saves (`.kiln-saving`, no kiln.json); warn about other prefixes
+    without kiln.json (not kiln's: left alone, never loaded)."""
+    for e in scan_objects(store):
+        if e.kiln_saving:
+            logger.warning(f"Removing {e.path}/: a save that was killed before it completed (no {MARKER})")
+            remove_step(store, e)
+        elif MARKER not in e.files:
+            logger.warning(
+                f"Leaving {e.path}/ alone: no {MARKER} (not a complete checkpoint) and not a save kiln started"
+            )
+
+
+def download_step(entry: ObjectEntry, local_root: str) -> str:
+    """Download the files kiln reads of step `entry` into `local_root/<its name>`; that folder."""
+    assert entry.store is not None
+    local = os.path.join(local_root, entry.name)
+    os.makedirs(local, exist_ok=True)
+    for name in sorted(n for n in entry.files if _READ.match(n)):
+        entry.store.download(f"{entry.name}/{name}", os.path.join(local, name))
+    return local
+
+
+class ObjectLock:
+    """Rank 0's `.kiln.lock` object for the run's life, taken with a conditional put (module docstring)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store: ObjectStore | None = None
+        holder = f"{os.getpid()}@{socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        if not store.create(LOCK_FILE, holder.encode()):
+            try:
+                held = store.read(LOCK_FILE, 256).decode(errors="replace").strip()
+            except FileNotFoundError:
+                held = "a run that has just ended"
+            except FileRefused:
+                held = "not a kiln lock: larger than kiln writes"
+            raise CheckpointError(
+                f"checkpoint folder {store.url} is in use by another kiln run ({held or 'unknown'}; lock "
+                f"{store.where(LOCK_FILE)}): one run per folder; wait for it or stop it, or set another "
+                "checkpoint.folder. A run killed without ending (SIGKILL, a lost node) leaves the lock: if that run is "
+                "gone, delete the lock object (aws s3 rm URL/.kiln.lock)"
+            )
+        self.store = store
+
+    def release(self) -> None:
+        if self.store is not None:
+            store, self.store = self.store, None
+            store.remove(LOCK_FILE)
+
+
+class ObjectClaim(FolderClaim):
+    """A run's claim on its object-storage URL: rank 0 holds the lock object until release; every rank learns a
+    refusal (the lock taken proves the bucket is reachable and writable)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.folder = store.url
+        self._lock = None
+        self._object_lock: ObjectLock | None = None
+        error = None
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            try:
+                self._object_lock = ObjectLock(store)
+            except CheckpointError as e:
+                error = str(e)
+        error = agree(error)
+        if error is not None:
+            self.release()
+            raise CheckpointError(error)
+
+    def release(self) -> None:
+        if self._object_lock is not None:
+            lock, self._object_lock = self._object_lock, None
+            lock.release()
+
+
+def claim_folder(folder: str) -> FolderClaim:
+    """The run's claim on its checkpoint folder: a local folder's flock, or an object-storage URL's lock object."""
+    return ObjectClaim(ObjectStore(folder)) if url_scheme(folder) is not None else FolderClaim(folder)
