@@ -192,7 +192,9 @@ class Float8UsageProbe:
         )
         total = local.summed(self.group, model)
         if not total.float8 and not total.low_experts:
-            experts = f" and none of the {total.experts} routed experts runs low-precision GEMMs" if cfg.moe_fqns else ""
+            experts = (
+                f" and none of the {total.experts} routed experts runs low-precision GEMMs" if cfg.moe_fqns else ""
+            )
             raise ConfigError(
                 f"float8.enable_float8_linear is set but none of the {total.linears} Linears is a Float8Linear"
                 f"{experts} (float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"

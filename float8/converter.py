@@ -133,7 +133,8 @@ class HighPrecisionLinear(nn.Linear):
 
 def switch_to_high_precision(model: nn.Module) -> list[str]:
     """Make every float8 Linear a HighPrecisionLinear and give low-precision experts the high-precision grouped GEMM,
-    in place (parameters, hooks, FSDP and TP untouched); return their names. Compiled blocks recompile once: dynamo guards on the module's class."""
+    in place (parameters, hooks, FSDP and TP untouched); return their names. Compiled blocks recompile once: dynamo
+    guards on the module's class."""
     names = []
     for fqn, module in model.named_modules():
         if is_float8_linear(module):
@@ -378,11 +379,11 @@ class Float8Converter:
         if not named:
             raise ConfigError(
                 f"float8.moe_fqns {self.cfg.moe_fqns} names no routed experts of the model (an MoE model's are "
-                "layers.<i>.moe.experts; e.g. float8.moe_fqns = [\"experts\"])"
+                'layers.<i>.moe.experts; e.g. float8.moe_fqns = ["experts"])'
             )
         self.expert_decisions = [decide_experts(fqn, self.cfg, n_layers) for fqn, _ in named]
         mxfp8 = self.config if self.cfg.is_mxfp8 else None
-        gemm = LowPrecisionGroupedGemm(self.cfg, mxfp8)  # type: ignore[arg-type]  # MXFP8TrainingOpConfig
+        gemm = LowPrecisionGroupedGemm(self.cfg, mxfp8)
         for (_, mod), d in zip(named, self.expert_decisions, strict=True):
             if d.converted:
                 mod.gemm = gemm

@@ -124,7 +124,9 @@ class LowPrecisionGroupedGemm(GroupedGemm):
         operands' dtype, so torch._grouped_mm's rule (models/moe.py grouped_mm_runs) is its rule."""
         if self.emulated and self.mxfp8_config is None:
             return grouped_mm_runs(x, *weights)
-        return x.device.type in ("cpu", "cuda") and all(t.dtype in (torch.float32, torch.bfloat16) for t in (x, *weights))
+        return x.device.type in ("cpu", "cuda") and all(
+            t.dtype in (torch.float32, torch.bfloat16) for t in (x, *weights)
+        )
 
     def __call__(self, x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         count = _COUNTER.get()

@@ -86,7 +86,9 @@ class GroupedExperts(nn.Module):
         return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.use_grouped_mm, gemm=self.gemm)
 
 
-def padded_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def padded_groups(
+    x: torch.Tensor, counts: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each expert's rows of x (sorted by expert) followed by zero rows up to a multiple of `multiple`, without a
     host sync: (the padded rows, offs (E,) int32 group ends, each row of x's index in the padded rows).
 
@@ -125,11 +127,11 @@ def swiglu_experts(
         h = F.silu(gemm(x, w1.transpose(-2, -1), offs)) * gemm(x, w3.transpose(-2, -1), offs)
         out = gemm(h, w2.transpose(-2, -1), offs)
         return out[dest] if gemm.group_multiple > 1 else out
-    out = [
+    outs = [
         F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
         for e, rows in enumerate(torch.split(x, counts.tolist()))
     ]
-    return torch.cat(out)
+    return torch.cat(outs)
 
 
 class TokenChoiceRouter(nn.Module):

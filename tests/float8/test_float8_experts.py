@@ -19,8 +19,8 @@ from kiln_base.config.plan import ModelShape
 from kiln_base.errors import ConfigError
 from kiln_base.internals import grouped_mm
 from models import ModelArgs, Transformer
-from tests.helpers.common import kiln_log_lines
 from models.moe import HIGH_PRECISION, GroupedExperts, GroupedGemm, moe_layers, padded_groups, swiglu_experts
+from tests.helpers.common import kiln_log_lines
 
 ARGS = ModelArgs(
     dim=64,
@@ -115,8 +115,9 @@ def _reference_float8_grouped(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Te
     e4m3 = torch.float8_e4m3fn
 
     def rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
-        s = tensor_to_scale(x, e4m3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim,
-                            round_scales_to_power_of_2=True)
+        s = tensor_to_scale(
+            x, e4m3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim, round_scales_to_power_of_2=True
+        )
         return to_fp8_saturated(x * s, e4m3).float() / s
 
     def per_group(x: torch.Tensor) -> torch.Tensor:
@@ -266,8 +267,17 @@ def test_switch_to_high_precision_gives_experts_torchs_grouped_mm() -> None:
 # ----------------------------------------------------------------------------- config refusals
 
 
-MOE = ModelShape(dim=256, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden_dim=0, vocab_size=2256, experts=8, top_k=2,
-                 expert_hidden_dim=128)
+MOE = ModelShape(
+    dim=256,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=8,
+    ffn_hidden_dim=0,
+    vocab_size=2256,
+    experts=8,
+    top_k=2,
+    expert_hidden_dim=128,
+)
 
 
 @pytest.mark.parametrize(
@@ -275,8 +285,11 @@ MOE = ModelShape(dim=256, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden_dim=0,
     [
         (_f8("nvfp4"), MOE, "float8.moe_fqns: the experts' grouped GEMMs have no nvfp4 recipe"),
         (_f8("rowwise_with_gw_hp"), MOE, "have no rowwise_with_gw_hp recipe"),
-        (_f8("mxfp8_rceil"), ModelShape(**{**MOE.__dict__, "expert_hidden_dim": 48}),
-         "need dims divisible by 32, but model.moe_hidden_dim 48 is not"),
+        (
+            _f8("mxfp8_rceil"),
+            ModelShape(**{**MOE.__dict__, "expert_hidden_dim": 48}),
+            "need dims divisible by 32, but model.moe_hidden_dim 48 is not",
+        ),
         (_f8(), ModelShape(**{**MOE.__dict__, "dim": 72}), "need dims divisible by 16, but model.dim 72 is not"),
         (_f8(), ModelShape(**{**MOE.__dict__, "experts": 0}), "model.flavor f is dense (no routed experts)"),
     ],

@@ -571,7 +571,7 @@ def test_moe_training_grouped_gemms() -> None:
         MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL), kernel_preference=KernelPreference.EMULATED
     )
     offs = torch.tensor([32, 64], dtype=torch.int32)
-    a, b_t = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(2, 64, 32, dtype=torch.bfloat16).transpose(-2, -1)
+    a, b_t = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(2, 32, 64, dtype=torch.bfloat16).transpose(-2, -1)
     out = internals.torchao_mxfp8_grouped_mm(a, b_t, offs, config)
     exact = internals.grouped_mm(a.float(), b_t.float(), offs)
     assert out.dtype == torch.bfloat16 and 0 < ((out.float() - exact).norm() / exact.norm()).item() < 0.1

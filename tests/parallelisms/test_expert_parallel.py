@@ -18,13 +18,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from float8.converter import Float8Converter
+from float8.experts import counting_grouped_gemms
 from kiln_base.config import ActivationCheckpoint, Float8, JobConfig, Parallelism, Training, check_world
 from kiln_base.config.checks import check_config_alone, check_parallel_plan
 from kiln_base.errors import ConfigError
 from kiln_base.internals import shard_offset, unwrapped_fqn
 from models import ModelArgs, Transformer
-from float8.converter import Float8Converter
-from float8.experts import counting_grouped_gemms
 from models.moe import moe_layers
 from parallelisms.expert_parallel import ExpertParallelExperts, apply_ep
 from parallelisms.grad_norm import total_norm
