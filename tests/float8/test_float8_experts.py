@@ -147,9 +147,11 @@ def test_emulated_float8_grouped_gemm_is_torchaos_casts_per_expert() -> None:
     not exact."""
     torch.manual_seed(0)
     offs = torch.tensor([16, 32, 64, 80], dtype=torch.int32)  # (torchao's reference casts refuse an empty group)
-    a = torch.randn(80, 32, requires_grad=True)
+    scale = torch.ones(80, 1)
+    scale[32:64] = 256  # one expert's rows larger: the weight gradient's casts must scale each expert's own rows
+    a = (torch.randn(80, 32) * scale).requires_grad_(True)
     b_t = torch.randn(4, 48, 32).transpose(-2, -1).requires_grad_(True)  # (E, k, n), column-major as w.transpose
-    grad = torch.randn(80, 48)
+    grad = torch.randn(80, 48) / scale
     out = _EmulatedFloat8GroupedMM.apply(a, b_t, offs)
     out.backward(grad)
     ref_out, ref_ga, ref_gb = _reference_float8_grouped(a.detach(), b_t.detach(), offs, grad)
@@ -175,6 +177,34 @@ def test_mxfp8_grouped_gemm_runs_torchaos_emulation() -> None:
     exact.backward(torch.ones_like(exact))
     for got, ref in ((out, exact), (a.grad, a2.grad), (b_t.grad, b2.grad)):
         assert 22 < _sqnr(got.detach(), ref.detach()) < 45
+
+
+def test_mxfp8_experts_scale_each_experts_rows_alone() -> None:
+    """With each expert's rows padded to 32, no MXFP8 block of the weight gradient (32 tokens) mixes two experts:
+    every expert's output and gradients are what torchao computes for that expert's rows alone (with one expert's
+    rows 256 times larger than its neighbours', a shared block would flush the small ones)."""
+    cfg = _f8("mxfp8_rceil")
+    gemm = LowPrecisionGroupedGemm(cfg, Float8Converter(cfg).config)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    w1, w3 = torch.randn(3, 64, 32), torch.randn(3, 64, 32)
+    w2 = torch.randn(3, 32, 64)
+    counts = torch.tensor([5, 40, 19])
+    x = torch.randn(int(counts.sum()), 32)
+    x[5:45] *= 256  # expert 1's rows: a block shared with expert 0's would take its scale from them
+    ws = [w.clone().requires_grad_(True) for w in (w1, w2, w3)]
+    y = swiglu_experts(x, counts, *ws, True, gemm=gemm)
+    y.square().sum().backward()
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        # expert e alone on its rows and zero rows up to 64 (torchao's MXFP8 needs whole blocks of tokens)
+        alone = [w[e : e + 1].clone().requires_grad_(True) for w in (w1, w2, w3)]
+        rows = torch.cat([x[start : start + n], x.new_zeros(64 - n, 32)])
+        ye = swiglu_experts(rows, torch.tensor([64]), *alone, True, gemm=gemm)[:n]
+        ye.square().sum().backward()
+        torch.testing.assert_close(y[start : start + n], ye, atol=1e-5, rtol=1e-5)
+        for w, a in zip(ws, alone, strict=True):
+            torch.testing.assert_close(w.grad[e : e + 1], a.grad, atol=1e-3 * a.grad.abs().max().item(), rtol=0)
+        start += n
 
 
 # ----------------------------------------------------------------------------- conversion and the first step
