@@ -25,7 +25,7 @@ from kiln_base.config.checks import check_config_alone, check_parallel_plan
 from kiln_base.errors import ConfigError
 from kiln_base.internals import shard_offset, unwrapped_fqn
 from models import ModelArgs, Transformer
-from models.moe import moe_layers
+from models.moe import GroupedExperts, moe_layers
 from parallelisms.expert_parallel import ExpertParallelExperts, apply_ep
 from parallelisms.grad_norm import total_norm
 from parallelisms.parallel_dims import ParallelDims
@@ -60,9 +60,10 @@ EXPERTS_F8 = Float8(
     moe_fqns=["experts"],
     filter_fqns=["output", "attention", "router", "shared_experts"],
 )
-# Measured (torch 2.13, torchao 0.18, CPU), EP 2 x FSDP with float8 experts against one process's float8 experts:
-# the same loss, gradients within 1.5e-8, the norm within 8.2e-9 (the same casts of the same rows: an expert's rows
-# are gathered whole on its rank). float8 against high precision there: block 0's w1 gradient differs by 1.4e-5.
+# Measured (torch 2.13, torchao 0.18, CPU), EP 2 x FSDP and FSDP 2 alone with float8 experts against one process's
+# float8 experts: the same loss, gradients within 1.5e-8, the norm within 8.2e-9 (the same casts of the same rows:
+# an expert's rows are gathered whole on its rank; FSDP all-gathers the whole weight). float8 against high precision
+# there: block 0's w1 gradient differs by 1.4e-5.
 ATOL_F8 = 1e-6
 
 
@@ -182,7 +183,7 @@ def _model_case(
                 assert torch.equal(held, t.to_local()), name
             else:
                 assert torch.equal(t, full), name
-    shards = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    shards = [m for m in model.modules() if isinstance(m, ExpertParallelExperts if ep > 1 else GroupedExperts)]
     assert len(shards) == ARGS.n_layers
     dp_rank = dims.dp_mesh.get_local_rank()
     tokens = batch().chunk(dims.dp_degree)[dp_rank]
@@ -230,6 +231,7 @@ def _two_rank_job(ckpt: str) -> dict[str, Any]:
             "ep2_full_ac": _model_case(1, 2, "full", None),
             "layer_float8": _layer_case(grouped_mm=True, float8=True),
             "ep2_float8": _model_case(1, 2, "none", None, float8=True),
+            "fsdp2_float8": _model_case(1, 1, "none", None, float8=True),  # no EP: the experts FSDP-sharded
         }
     )
 
@@ -320,11 +322,13 @@ def test_ep_runs_the_experts_float8_grouped_gemms(
     two_ranks: tuple[list[dict[str, Any]], str], reference: dict[str, Any], reference_float8: dict[str, Any]
 ) -> None:
     """float8 on the experts under EP: each rank's local experts run the float8 grouped GEMMs (3 per layer's
-    forward, counted), and EP 2 x FSDP on 2 ranks gives one process's float8 loss and gradients, which differ from
-    high precision's (the float8 path is the one that ran)."""
+    forward, counted), and EP 2 x FSDP on 2 ranks, and FSDP 2 alone (the experts sharded), give one process's float8
+    loss and gradients, which differ from high precision's (the float8 path is the one that ran)."""
     for rank in two_ranks[0]:
         assert rank["layer_float8"]["gemms"] == 3 and rank["layer"]["gemms"] == 0
         _assert_model_matches(rank["ep2_float8"], reference_float8, (2, ARGS.moe_hidden_dim, ARGS.dim), atol=ATOL_F8)
+        # FSDP 2 without EP: each rank holds 2 of the 4 experts' rows, all-gathered for the float8 GEMMs
+        _assert_model_matches(rank["fsdp2_float8"], reference_float8, (2, ARGS.moe_hidden_dim, ARGS.dim), atol=ATOL_F8)
     w1 = "layers.0.moe.experts.w1"
     assert not torch.allclose(reference_float8["grads"][w1], reference["grads"][w1], atol=5 * ATOL_F8, rtol=0)
 
