@@ -163,9 +163,11 @@ class PrecisionSchedule:
     def before_step(self, step: int) -> None:
         if not self.switched and step > self.after:
             self.switched = True
+            experts = sum(is_low_precision_experts(m) for m in self.model.modules())
             names = switch_to_high_precision(self.model)
+            also = f" and {experts} routed experts" if experts else ""
             logger.info(
-                f"float8 policy: step {step}: {len(names)} float8 Linears now run in high precision "
+                f"float8 policy: step {step}: {len(names) - experts} float8 Linears{also} now run in high precision "
                 f"(float8.disable_after_step {self.after})"
             )
 
