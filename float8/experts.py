@@ -21,7 +21,8 @@ What runs (torchao 0.18's MoE training, `torchao.prototype.moe_training`):
 Each expert's rows are padded with zero rows to a multiple of `group_multiple` (models/moe.py `padded_groups`):
 16 for float8 (16-byte aligned float8 rows, torch._scaled_grouped_mm's rule; torchtitan's token group alignment),
 32 for MXFP8 (the weight gradient scales blocks of 32 tokens: a block must not straddle two experts).
-The output is in the input's dtype (torchao defaults to bf16; kiln's float32 runs stay float32).
+The output is in the input's dtype (torchao's float8 rowwise GEMM writes bf16, cast back; kiln's float32 runs stay
+float32 around the GEMMs).
 """
 
 from __future__ import annotations

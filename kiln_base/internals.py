@@ -567,12 +567,14 @@ def mxfp8_weight_data(t: Any) -> torch.Tensor:
 def torchao_float8_rowwise_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """torchao's differentiable float8 rowwise scaled grouped GEMM (`_to_fp8_rowwise_then_scaled_grouped_mm`,
     torchao 0.18): Triton casts, torch._scaled_grouped_mm, CUDA only. a (rows, k) row-major, b_t (E, k, n)
-    column-major, offs (E,) int32 group ends, multiples of 16; the output in a's dtype, the casts e4m3fn."""
+    column-major, offs (E,) int32 group ends, multiples of 16; the casts e4m3fn. The GEMMs write bf16 (what
+    torch._scaled_grouped_mm writes: torchao's default), cast to a's dtype (a no-op in bf16 training)."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    return _to_fp8_rowwise_then_scaled_grouped_mm(
-        a, b_t, offs, out_dtype=a.dtype, float8_dtype=torch.float8_e4m3fn, pad_token_groups_for_grouped_mm=False
+    out = _to_fp8_rowwise_then_scaled_grouped_mm(
+        a, b_t, offs, out_dtype=torch.bfloat16, float8_dtype=torch.float8_e4m3fn, pad_token_groups_for_grouped_mm=False
     )
+    return out.to(a.dtype)
 
 
 def torchao_mxfp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, config: Any) -> torch.Tensor:
