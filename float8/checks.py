@@ -16,7 +16,9 @@ matmul) on two float8 operands to an entry of torchao's op table, which calls to
 table (torch._scaled_mm with e8m0 block scales, or the EMULATED dequantised mm). The probe wraps those entries
 for the step: they count and call through, so the step computes exactly what it would without the probe. NVFP4 is
 kiln's own emulation: each of its GEMMs is one call of the custom op `kiln::nvfp4_gemm`, which reports to the
-counter `float8.nvfp4.counting_gemms` installs for the step. The table sits below
+counter `float8.nvfp4.counting_gemms` installs for the step. The routed experts' low-precision grouped GEMMs
+(float8.moe_fqns) report each call (3 per MoE layer's forward; their backward GEMMs run inside the same torchao or
+kiln autograd function) to the counter `float8.experts.counting_grouped_gemms` installs. The table sits below
 DTensor (TP hands it the local shards), FSDP and activation checkpointing, so no layout changes the count.
 Under torch.compile the entries run while the graph is traced (dynamo's fake-tensor pass, AOTAutograd's
 joint graph), not when the compiled code runs: the count then says the compiled graph holds float8 matmuls.
@@ -36,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import is_float8_linear
+from float8.experts import counting_grouped_gemms, is_experts, is_low_precision_experts
 from float8.nvfp4 import counting_gemms
 from kiln_base.config import Float8
 from kiln_base.errors import ConfigError
@@ -91,6 +94,7 @@ class Float8UsageProbe:
         self.cfg = cfg
         self.fsdp_enabled = fsdp_enabled
         self.matmuls: Counter[tuple[str, bool]] = Counter()
+        self.grouped_gemms: Counter[str] = Counter()  # the experts' low-precision grouped GEMMs: "ran" or "traced"
         self.compilations = 0  # dynamo compilations during the step: 0 with compiled blocks = graphs reused
 
     def _counting(self, table_entry: Callable[..., Any], mx: bool) -> Callable[..., Any]:
@@ -113,6 +117,16 @@ class Float8UsageProbe:
         if not self.cfg.enable_float8_linear:
             yield
             return
+
+        def count_grouped(traced: bool) -> None:
+            self.grouped_gemms["traced" if traced else "ran"] += 1
+
+        with counting_grouped_gemms(count_grouped), self._counting_linears():
+            yield
+
+    @contextlib.contextmanager
+    def _counting_linears(self) -> Iterator[None]:
+        """The Linears' float8 matmuls: torchao's op-table entries wrapped for the block (NVFP4: kiln's counter)."""
         if self.cfg.is_nvfp4:
             with self._counting_nvfp4():
                 yield
@@ -171,20 +185,48 @@ class Float8UsageProbe:
             compiled=int(_is_compiled(model)),
             gathered=len(sizes),
             wide=len(wide),
+            experts=sum(is_experts(m) for m in model.modules()),
+            low_experts=sum(is_low_precision_experts(m) for m in model.modules()),
+            grouped_ran=self.grouped_gemms["ran"],
+            grouped_traced=self.grouped_gemms["traced"],
         )
         total = local.summed(self.group, model)
-        if not total.float8:
+        if not total.float8 and not total.low_experts:
+            experts = (
+                f" and none of the {total.experts} routed experts runs low-precision GEMMs" if cfg.moe_fqns else ""
+            )
             raise ConfigError(
-                f"float8.enable_float8_linear is set but none of the {total.linears} Linears is a Float8Linear "
-                f"(float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
+                f"float8.enable_float8_linear is set but none of the {total.linears} Linears is a Float8Linear"
+                f"{experts} (float8.filter_fqns={cfg.filter_fqns}); the run would silently train in high precision"
             )
         kind = "have MXFP8 weights" if cfg.is_mxfp8 else "are NVFP4Linear" if cfg.is_nvfp4 else "are Float8Linear"
-        findings = [f"float8 in use: {total.float8}/{total.linears} Linears {kind}", self._matmul_finding(total)]
+        findings = [f"float8 in use: {total.float8}/{total.linears} Linears {kind}"]
+        if total.float8:
+            findings.append(self._matmul_finding(total))
+        if cfg.moe_fqns:
+            findings += self._experts_findings(total)
         if cfg.enable_fsdp_float8_all_gather:
             findings.append(self._all_gather_finding(total, wide))
         for line in findings:
             (logger.info if line.startswith("float8 in use") else logger.warning)(line)
         return findings
+
+    def _experts_findings(self, total: _Counts) -> list[str]:
+        """float8.moe_fqns: how many routed experts run low-precision grouped GEMMs, and that those GEMMs ran."""
+        what = "MXFP8" if self.cfg.is_mxfp8 else "float8 rowwise"
+        emulated = "emulated " if self.cfg.emulate else ""
+        lines = [f"float8 in use: {total.low_experts}/{total.experts} routed experts run {what} grouped GEMMs"]
+        if not total.low_experts:
+            return lines  # all kept high precision by name (float8.filter_fqns, the first/last blocks)
+        if total.grouped_ran + total.grouped_traced == 0:
+            raise ConfigError(
+                f"float8.moe_fqns: {total.low_experts} routed experts have {what} grouped GEMMs but none ran in the "
+                "first step (the experts looped over high-precision matmuls, or were bypassed)"
+            )
+        how = [f"{total.grouped_ran} ran"] if total.grouped_ran else []
+        how += [f"{total.grouped_traced} traced into compiled graphs"] if total.grouped_traced else []
+        lines.append(f"float8 in use: {emulated}{what} grouped GEMMs in the first step: {', '.join(how)}")
+        return lines
 
     def _matmul_finding(self, total: _Counts) -> str:
         ran, traced, emulated = total.ran, total.traced, total.emulated
@@ -231,6 +273,10 @@ class _Counts:
     compiled: int
     gathered: int  # Float8Linear weights FSDP all-gathers
     wide: int  # of which in high precision
+    experts: int  # routed experts modules
+    low_experts: int  # of which run low-precision grouped GEMMs (float8.moe_fqns)
+    grouped_ran: int  # their grouped GEMM forwards in the step (3 per layer per micro-batch)
+    grouped_traced: int
 
     def summed(self, group: dist.ProcessGroup | None, model: nn.Module) -> _Counts:
         if group is None:

@@ -1,7 +1,8 @@
 """The float8 model converter: `[float8]` config -> torchao Float8LinearConfig -> Float8Linear modules, or for
 the MXFP8 recipes MXFP8TrainingOpConfig -> MXFP8Linear modules whose weight is torchao's MXFP8 training wrapper
 tensor (its F.linear runs the three GEMMs in MXFP8, also on TP shards), or for nvfp4 NVFP4Linear modules (emulated
-NVFP4 GEMMs, float8/nvfp4.py). "float8 Linear" below means any of them.
+NVFP4 GEMMs, float8/nvfp4.py). "float8 Linear" below means any of them. With `float8.moe_fqns` the routed experts
+named there also get low-precision grouped GEMMs (float8/experts.py).
 
 The Trainer calls `build_float8_converter(cfg)` before anything heavy (it checks torchao and the GPU), then
 `convert(model)` on the meta-device model before parallelisation, and `post_optimizer_hook(model)` after each
@@ -23,9 +24,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from float8.environment import check_float8_environment
+from float8.experts import LowPrecisionGroupedGemm, is_low_precision_experts
 from float8.nvfp4 import nvfp4_linear
 from kiln_base.config import Float8
+from kiln_base.errors import ConfigError
 from kiln_base.internals import disable_torch_function_subclass, local_tensor_or_self, skip_torchao_triton_min_max_patch
+from models.moe import HIGH_PRECISION, GroupedExperts
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -128,12 +132,16 @@ class HighPrecisionLinear(nn.Linear):
 
 
 def switch_to_high_precision(model: nn.Module) -> list[str]:
-    """Make every float8 Linear a HighPrecisionLinear, in place (parameters, hooks, FSDP and TP untouched); return
-    their names. Compiled blocks recompile once: dynamo guards on the module's class."""
+    """Make every float8 Linear a HighPrecisionLinear and give low-precision experts the high-precision grouped GEMM,
+    in place (parameters, hooks, FSDP and TP untouched); return their names. Compiled blocks recompile once: dynamo
+    guards on the module's class."""
     names = []
     for fqn, module in model.named_modules():
         if is_float8_linear(module):
             module.__class__ = HighPrecisionLinear
+            names.append(fqn)
+        elif is_low_precision_experts(module):
+            module.gemm = HIGH_PRECISION  # the experts' grouped GEMMs back to torch._grouped_mm
             names.append(fqn)
     return names
 
@@ -155,9 +163,11 @@ class PrecisionSchedule:
     def before_step(self, step: int) -> None:
         if not self.switched and step > self.after:
             self.switched = True
+            experts = sum(is_low_precision_experts(m) for m in self.model.modules())
             names = switch_to_high_precision(self.model)
+            also = f" and {experts} routed experts" if experts else ""
             logger.info(
-                f"float8 policy: step {step}: {len(names)} float8 Linears now run in high precision "
+                f"float8 policy: step {step}: {len(names) - experts} float8 Linears{also} now run in high precision "
                 f"(float8.disable_after_step {self.after})"
             )
 
@@ -191,24 +201,41 @@ def too_small_to_gain(recipe: str, in_features: int, out_features: int) -> str |
 _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0, tp_degree: int = 1) -> LinearDecision:
-    """Float8 or not for one Linear, in order: named in filter_fqns, in the first/last blocks kept high precision
-    (high_precision_first_last, then high_precision_last: nvfp4 keeps the last 15% by default), dims not divisible
-    by 16 (block-scaled recipes: by their block, 32 or 16, times tp_degree, since each rank scales its own shard's
-    blocks and TP splits one of the two dims), too small."""
+def kept_high_precision(fqn: str, cfg: Float8, n_layers: int) -> str | None:
+    """Why a module (a Linear, or routed experts) stays high precision by name: named in filter_fqns, or in the
+    first/last blocks kept high precision (high_precision_first_last, then high_precision_last: nvfp4 keeps the last
+    15% by default); None when neither."""
     matched = [f for f in cfg.filter_fqns if f in fqn]
     if matched:
-        return LinearDecision(fqn, False, f"filter_fqns '{matched[0]}'")
+        return f"filter_fqns '{matched[0]}'"
     first_last, last, block = cfg.high_precision_first_last, cfg.high_precision_last_blocks(n_layers), None
     found = _BLOCK_INDEX.search(fqn)
     if found:
         block = int(found.group(1))
     if block is not None and first_last and (block < first_last or block >= n_layers - first_last):
-        return LinearDecision(fqn, False, f"high_precision_first_last {first_last} (block {block} of {n_layers})")
+        return f"high_precision_first_last {first_last} (block {block} of {n_layers})"
     if block is not None and last and block >= n_layers - last:
         default = f"; {cfg.recipe}'s default: the last 15%" if cfg.high_precision_last < 0 else ""
         blocks = f"block {n_layers - 1}" if last == 1 else f"blocks {n_layers - last}-{n_layers - 1}"
-        return LinearDecision(fqn, False, f"high_precision_last {last} ({blocks} of {n_layers}{default})")
+        return f"high_precision_last {last} ({blocks} of {n_layers}{default})"
+    return None
+
+
+def decide_experts(fqn: str, cfg: Float8, n_layers: int) -> LinearDecision:
+    """Low-precision grouped GEMMs or not for one experts module named by float8.moe_fqns: the same name rules as
+    a Linear's (filter_fqns, the first/last blocks); their dims were checked at start-up (checks.py)."""
+    kept = kept_high_precision(fqn, cfg, n_layers)
+    return LinearDecision(fqn, not kept, kept or "")
+
+
+def decide(fqn: str, linear: nn.Linear, cfg: Float8, n_layers: int = 0, tp_degree: int = 1) -> LinearDecision:
+    """Float8 or not for one Linear, in order: named in filter_fqns, in the first/last blocks kept high precision
+    (high_precision_first_last, then high_precision_last: nvfp4 keeps the last 15% by default), dims not divisible
+    by 16 (block-scaled recipes: by their block, 32 or 16, times tp_degree, since each rank scales its own shard's
+    blocks and TP splits one of the two dims), too small."""
+    kept = kept_high_precision(fqn, cfg, n_layers)
+    if kept:
+        return LinearDecision(fqn, False, kept)
     k, n = linear.in_features, linear.out_features
     scaled = cfg.block_size  # block-scaled recipes: blocks along K (and along N for the grad_input GEMM)
     multiple = scaled * tp_degree if scaled else 16
@@ -274,6 +301,16 @@ def _cast_input_to_autocast_dtype(module: nn.Module, args: tuple[Any, ...]) -> t
     return None
 
 
+def _why(decisions: list[LinearDecision]) -> str:
+    """': <names> (<reason>); ...' for the decisions not converted, '' when all were."""
+    skipped: dict[str, list[str]] = {}
+    for d in decisions:
+        if not d.converted:
+            skipped.setdefault(d.reason, []).append(d.fqn)
+    why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
+    return f": {why}" if why else ""
+
+
 def _summarise(fqns: list[str]) -> str:
     """'layers.*.attention.wk x6' instead of six names: one short line even for 126-layer models."""
     counts = Counter(re.sub(r"\.\d+\.", ".*.", f) for f in fqns)
@@ -293,6 +330,7 @@ class Float8Converter:
             mxfp8_training_config(cfg) if cfg.is_mxfp8 else None if cfg.is_nvfp4 else float8_linear_config(cfg)
         )
         self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
+        self.expert_decisions: list[LinearDecision] = []  # the experts named by float8.moe_fqns
 
     def convert(self, model: nn.Module) -> None:
         """Convert in place (meta device is fine: only shapes are read); log one summary line."""
@@ -322,17 +360,41 @@ class Float8Converter:
                 assert is_float8_linear(mod), fqn
                 mod.register_forward_pre_hook(_cast_input_to_autocast_dtype)
 
-        skipped: dict[str, list[str]] = {}
-        for d in self.decisions:
-            if not d.converted:
-                skipped.setdefault(d.reason, []).append(d.fqn)
-        why = "; ".join(f"{_summarise(fqns)} ({reason})" for reason, fqns in skipped.items())
+        experts = self._convert_experts(model, n_layers) if self.cfg.moe_fqns else ""
+
         on = [("fsdp float8 all-gather", self.cfg.enable_fsdp_float8_all_gather), ("emulate", self.cfg.emulate)]
         flags = "".join(f" + {name}" for name, enabled in on if enabled)
         into = "MXFP8 weights" if self.cfg.is_mxfp8 else "NVFP4Linear" if self.cfg.is_nvfp4 else "Float8Linear"
         logger.info(
             f"float8 {self.recipe}{flags}: converted {len(chosen)} of {len(self.decisions)} Linears to {into}; "
-            f"skipped {len(self.decisions) - len(chosen)}" + (f": {why}" if why else "")
+            f"skipped {len(self.decisions) - len(chosen)}" + _why(self.decisions) + experts
+        )
+
+    def _convert_experts(self, model: nn.Module, n_layers: int) -> str:
+        """Give the routed experts named by float8.moe_fqns (and not kept high precision) torchao's scaled grouped
+        GEMMs (float8/experts.py); the summary line's part about them."""
+        named = [
+            (fqn, mod)
+            for fqn, mod in model.named_modules()
+            if isinstance(mod, GroupedExperts) and any(f in fqn for f in self.cfg.moe_fqns)
+        ]
+        if not named:
+            raise ConfigError(
+                f"float8.moe_fqns {self.cfg.moe_fqns} names no routed experts of the model (an MoE model's are "
+                'layers.<i>.moe.experts; e.g. float8.moe_fqns = ["experts"])'
+            )
+        self.expert_decisions = [decide_experts(fqn, self.cfg, n_layers) for fqn, _ in named]
+        mxfp8 = self.config if self.cfg.is_mxfp8 else None
+        gemm = LowPrecisionGroupedGemm(self.cfg, mxfp8)
+        for (_, mod), d in zip(named, self.expert_decisions, strict=True):
+            if d.converted:
+                mod.gemm = gemm
+        n = sum(d.converted for d in self.expert_decisions)
+        return (
+            f"; experts: {n} of {len(named)} run {gemm.name} grouped GEMMs"
+            + (" (emulated)" if gemm.emulated else "")
+            + f" on their w1, w2, w3 ({3 * n} weights); skipped {len(named) - n}"
+            + _why(self.expert_decisions)
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

@@ -564,6 +564,39 @@ def mxfp8_weight_data(t: Any) -> torch.Tensor:
     return t._data
 
 
+def torchao_float8_rowwise_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torchao's differentiable float8 rowwise scaled grouped GEMM (`_to_fp8_rowwise_then_scaled_grouped_mm`,
+    torchao 0.18): Triton casts, torch._scaled_grouped_mm, CUDA only. a (rows, k) row-major, b_t (E, k, n)
+    column-major, offs (E,) int32 group ends, multiples of 16; the casts e4m3fn. The GEMMs write bf16 (what
+    torch._scaled_grouped_mm writes: torchao's default), cast to a's dtype (a no-op in bf16 training)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    out = _to_fp8_rowwise_then_scaled_grouped_mm(
+        a, b_t, offs, out_dtype=torch.bfloat16, float8_dtype=torch.float8_e4m3fn, pad_token_groups_for_grouped_mm=False
+    )
+    return out.to(a.dtype)
+
+
+def torchao_mxfp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, config: Any) -> torch.Tensor:
+    """torchao's differentiable MXFP8 scaled grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`, torchao 0.18) with
+    an MXFP8TrainingOpConfig's kernel preference (AUTO: SM100 kernels; EMULATED: torch casts and a dequantised
+    torch._grouped_mm, any device), weight-gradient precision and scale rounding; the output in a's dtype.
+    (EMULATED dequantises to bf16 and multiplies in bf16 with out_dtype = a's: float32 operands need the caller
+    to pass bf16 ones.)"""
+    from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+
+    return _to_mxfp8_then_scaled_grouped_mm(
+        a,
+        b_t,
+        offs,
+        out_dtype=a.dtype,
+        kernel_preference=config.kernel_preference,
+        wgrad_with_hp=config.wgrad_with_hp,
+        scale_calculation_mode=config.scale_calculation_mode,
+        pad_token_groups_for_grouped_mm=False,
+    )
+
+
 def mx_tensor_ops_table() -> dict[Any, Any]:
     """torchao's aten-op table of MXTensor (`MXTensor._ATEN_OP_TABLE[MXTensor]`, torchao 0.18): its aten.mm and
     addmm entries run every MXFP8 matmul of the MXFP8 training recipes (real or emulated)."""

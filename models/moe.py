@@ -8,7 +8,9 @@ Every token reaches its k experts: there is no capacity and nothing is dropped.
 The routed experts' weights are 3-D parameters [E, out, in] (nn.Linear's layout per expert, so FSDP and expert
 parallelism shard dim 0, the experts): w1 and w3 [E, hidden, dim], w2 [E, dim, hidden]. The (token, expert) pairs
 are sorted by expert and computed with `torch._grouped_mm` over the experts' contiguous row groups where it runs
-(`grouped_mm_runs`), else with a loop over the experts; the two give the same result.
+(`grouped_mm_runs`), else with a loop over the experts; the two give the same result. The grouped GEMM is the experts'
+`gemm` (a `GroupedGemm`): float8 on the experts (float8/experts.py) swaps in torchao's scaled grouped GEMMs, which
+need each expert's rows padded with zero rows to a multiple of 16 or 32 (`padded_groups`).
 
 Balancing, read by the training step after the forward (nothing here changes the step):
 - `tokens_per_expert` (buffer [E], float32): (token, expert) pairs routed to each expert since `reset_counts`;
@@ -48,6 +50,25 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(w.dtype == x.dtype and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) for w in weights)
 
 
+class GroupedGemm:
+    """The experts' grouped GEMM: x (rows, in) sorted by expert, w_t (E, in, out), offs (E,) int32 group ends ->
+    (rows, out). This one is `torch._grouped_mm` in the compute dtype. float8 on the experts gives a GroupedExperts
+    a subclass (float8/experts.py) running torchao's scaled grouped GEMMs, whose groups of rows must be padded to
+    `group_multiple` rows (16 for float8 rowwise, 32 for MXFP8: 16-byte aligned float8 rows, whole scale blocks)."""
+
+    group_multiple = 1
+
+    def runs(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether this GEMM computes on these operands (else the experts loop over F.linear)."""
+        return grouped_mm_runs(x, *weights)
+
+    def __call__(self, x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x, w_t, offs)
+
+
+HIGH_PRECISION = GroupedGemm()  # stateless: one instance serves every layer
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts, w2(silu(w1 x) * w3 x) each, applied to tokens grouped by expert."""
 
@@ -58,27 +79,59 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.use_grouped_mm = use_grouped_mm
+        self.gemm: GroupedGemm = HIGH_PRECISION  # float8's converter may swap in a low-precision one
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, dim): rows sorted by expert, `counts` [E] int64 of them per expert -> (rows, dim)."""
-        return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.use_grouped_mm)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.use_grouped_mm, gemm=self.gemm)
+
+
+def padded_groups(
+    x: torch.Tensor, counts: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's rows of x (sorted by expert) followed by zero rows up to a multiple of `multiple`, without a
+    host sync: (the padded rows, offs (E,) int32 group ends, each row of x's index in the padded rows).
+
+    The padded rows number a bound known without reading `counts`, round_up(rows + E * (multiple - 1), multiple);
+    the last group takes the spare zero rows, so no row lies past the last group end (a grouped GEMM leaves such
+    rows unwritten). At most E * multiple extra rows: 2,048 for 128 experts in float8, under 1% of 30B-A3B's rows
+    at 8 x 4096 tokens, top 8. Zero rows add nothing to a weight gradient and their outputs are dropped."""
+    rows, n = x.shape[0], counts.numel()
+    total = -(-(rows + n * (multiple - 1)) // multiple) * multiple
+    padded = (counts + multiple - 1) // multiple * multiple
+    ends = torch.cumsum(padded, 0)
+    offs = torch.cat([ends[:-1], ends.new_full((1,), total)]).to(torch.int32)
+    shift = (ends - padded) - (torch.cumsum(counts, 0) - counts)  # padded start - unpadded start, per expert
+    expert = torch.repeat_interleave(torch.arange(n, device=x.device), counts, output_size=rows)
+    dest = torch.arange(rows, device=x.device) + shift[expert]
+    return x.new_zeros(total, x.shape[1]).index_copy(0, dest, x), offs, dest
 
 
 def swiglu_experts(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, use_grouped_mm: bool
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    use_grouped_mm: bool,
+    *,
+    gemm: GroupedGemm = HIGH_PRECISION,
 ) -> torch.Tensor:
     """GroupedExperts' computation on the weights given (an expert-parallel rank passes its own experts'):
     x (rows, dim) sorted by expert, `counts` [w1.shape[0]] int64 rows per expert -> (rows, dim)."""
-    if use_grouped_mm and grouped_mm_runs(x, w1, w2, w3):
-        # offs: each group's end row, on the device: no host sync (the loop's .tolist() is one).
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs)) * grouped_mm(x, w3.transpose(-2, -1), offs)
-        return grouped_mm(h, w2.transpose(-2, -1), offs)
-    out = [
+    if use_grouped_mm and gemm.runs(x, w1, w2, w3):
+        if gemm.group_multiple > 1:
+            x, offs, dest = padded_groups(x, counts, gemm.group_multiple)
+        else:  # offs: each group's end row, on the device: no host sync (the loop's .tolist() is one).
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.silu(gemm(x, w1.transpose(-2, -1), offs)) * gemm(x, w3.transpose(-2, -1), offs)
+        out = gemm(h, w2.transpose(-2, -1), offs)
+        return out[dest] if gemm.group_multiple > 1 else out
+    outs = [
         F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
         for e, rows in enumerate(torch.split(x, counts.tolist()))
     ]
-    return torch.cat(out)
+    return torch.cat(outs)
 
 
 class TokenChoiceRouter(nn.Module):

@@ -10,7 +10,8 @@ routed experts' call (x sorted by expert, counts) -> rows in the same order beco
     2. dispatch: an all-to-all of the rows with uneven splits (rank s's rows for rank r's experts are contiguous,
        since they are sorted by expert); one host sync, for the split sizes;
     3. permute: the received rows come by source rank, then local expert; sort them by local expert (stable: by
-       source within an expert) and run this rank's experts on them (models/moe.py swiglu_experts);
+       source within an expert) and run this rank's experts on them (models/moe.py swiglu_experts, with the
+       experts' grouped GEMM: float8 on the experts runs here as on one rank);
     4. unpermute and combine: the inverse permutation and the reverse all-to-all bring every row back to the rank
        and the place it came from.
 
@@ -54,6 +55,7 @@ class ExpertParallelExperts(nn.Module):
         assert experts.num_experts % ep_mesh.size() == 0, "the plan refuses experts that do not divide over EP"
         self.num_experts = experts.num_experts  # all of them: the router's counts are [E]
         self.use_grouped_mm = experts.use_grouped_mm
+        self.gemm = experts.gemm  # float8 on the experts (converted before EP): the local experts run it too
         self.ep_mesh = ep_mesh
         for name in EXPERT_WEIGHTS:  # on the meta device before init: distributing allocates nothing
             self.register_parameter(name, nn.Parameter(distribute_tensor(getattr(experts, name), ep_mesh, [Shard(0)])))
@@ -76,7 +78,7 @@ class ExpertParallelExperts(nn.Module):
             inverse[order] = torch.arange(order.numel(), device=x.device)
         rows = all_to_all_rows(x, recv, send, group)
         w1, w2, w3 = (mean_over_ep(local_weight(getattr(self, name)), ep) for name in EXPERT_WEIGHTS)
-        out = swiglu_experts(rows[order], received.sum(dim=0), w1, w2, w3, self.use_grouped_mm)
+        out = swiglu_experts(rows[order], received.sum(dim=0), w1, w2, w3, self.use_grouped_mm, gemm=self.gemm)
         return all_to_all_rows(out[inverse], send, recv, group)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from kiln_base.config.plan import PP, ModelShape, check_microbatches
 from kiln_base.config.schema import (
+    FLOAT8_EXPERT_RECIPES,
     FROM_CHECKPOINT,
     MODEL_FAMILIES,
     PP_SCHEDULES,
@@ -208,6 +209,7 @@ def _check_float8_flags(cfg: Float8) -> None:
                 ("high_precision_first_last", cfg.high_precision_first_last > 0),
                 ("high_precision_last", cfg.high_precision_last >= 0),
                 ("disable_after_step", cfg.disable_after_step > 0),
+                ("moe_fqns", bool(cfg.moe_fqns)),
             )
             if on
         ]
@@ -236,6 +238,12 @@ def _check_float8_flags(cfg: Float8) -> None:
         raise ConfigError(
             "float8.numerics_log_freq: the numerics observatory has no NVFP4 statistics (it measures float8 casts); "
             "drop the flag with recipe_name nvfp4"
+        )
+    if cfg.moe_fqns and cfg.recipe not in FLOAT8_EXPERT_RECIPES and not cfg.is_mxfp8:
+        raise ConfigError(
+            f"float8.moe_fqns: the experts' grouped GEMMs have no {cfg.recipe} recipe (torchao 0.18 runs them float8 "
+            "rowwise, with float8.recipe_name tensorwise or rowwise, or MXFP8, with mxfp8_rceil or "
+            "mxfp8_rceil_wgrad_with_hp); change float8.recipe_name or drop float8.moe_fqns"
         )
     if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
         raise ConfigError(
@@ -618,6 +626,7 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
             "_flex/_varlen) or context_parallel_degree 1"
         )
     check_float8_blocks(cfg.float8, shape.n_layers)
+    check_float8_experts(cfg.float8, shape, cfg.model.flavor, cfg.training.compile)
     ep, experts = cfg.parallelism.expert_parallel_degree, shape.experts
     if ep > 1 and experts == 0:
         raise ConfigError(
@@ -689,6 +698,7 @@ def check_pipeline_device(p: Parallelism, device_type: str, warmup_sends_to_own_
 # ----------------------------------------------------------------------------- float8 and the machine
 
 MIN_TORCHAO = (0, 18)  # Float8LinearConfig.from_recipe_name, fp32 output for rowwise, _auto_filter_for_recipe
+MIN_FLOAT8_GROUPED_CAPABILITY = (9, 0)  # torch._scaled_grouped_mm: Hopper and Blackwell
 MIN_CUDA_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (SM 8.9), Hopper (9.0), Blackwell
 MIN_ROCM_CAPABILITY = (9, 4)  # gfx942 (MI300X) is the first AMD GPU with float8 matmuls
 MIN_MXFP8_CAPABILITY = (10, 0)  # MXFP8 block-scaled matmuls: Blackwell (B200, GB200) and later
@@ -723,6 +733,12 @@ def check_float8_gpus(cfg: Float8, gpus: list[tuple[str, tuple[int, int]]], rocm
                 f"float8.recipe_name {cfg.recipe}: {name} (capability {cap[0]}.{cap[1]}) has no MXFP8 matmuls (needs "
                 "10.0+, Blackwell); add --float8.emulate to emulate them, or use recipe_name rowwise"
             )
+        if cfg.moe_fqns and not cfg.is_mxfp8 and (rocm or cap < MIN_FLOAT8_GROUPED_CAPABILITY):
+            raise ConfigError(
+                f"float8.moe_fqns: {name} (capability {cap[0]}.{cap[1]}) has no float8 grouped GEMM "
+                "(torch._scaled_grouped_mm needs CUDA 9.0+, Hopper or Blackwell); add --float8.emulate to emulate it, "
+                "or drop float8.moe_fqns"
+            )
         if cap < minimum:
             raise ConfigError(
                 f"float8.enable_float8_linear: {name} (capability {cap[0]}.{cap[1]}) has no float8 matmuls (needs "
@@ -735,7 +751,14 @@ def check_float8_cpu(cfg: Float8, torch_version: str, cpu_rowwise: bool) -> None
     """Training float8 on a CPU: MXFP8 only emulated; the rowwise recipes need a CPU `_scaled_mm` that takes per-row
     scales (`cpu_rowwise`: torch 2.11's asserts per-tensor ones, torch 2.13's has them). A dry run plans for GPUs
     and skips this."""
-    if not cfg.enable_float8_linear or cfg.emulate or cfg.recipe == "tensorwise":
+    if not cfg.enable_float8_linear or cfg.emulate:
+        return
+    if cfg.moe_fqns:
+        raise ConfigError(
+            f"float8.moe_fqns: torchao's {'MXFP8' if cfg.is_mxfp8 else 'float8 rowwise'} grouped GEMMs (the experts) "
+            "run on CUDA only; on a CPU add --float8.emulate to emulate them"
+        )
+    if cfg.recipe == "tensorwise":
         return
     if cfg.is_mxfp8:
         raise ConfigError(
@@ -746,6 +769,32 @@ def check_float8_cpu(cfg: Float8, torch_version: str, cpu_rowwise: bool) -> None
         raise ConfigError(
             f"float8.recipe_name {cfg.recipe}: torch {torch_version}'s CPU float8 matmul takes per-tensor scales "
             "only; use recipe_name tensorwise, add --float8.emulate, or torch >= 2.13 on a CPU"
+        )
+
+
+def check_float8_experts(cfg: Float8, shape: ModelShape, flavor: str, compile_on: bool) -> None:
+    """float8.moe_fqns against the model: routed experts to convert, whose GEMM dims (dim, the experts' hidden dim)
+    torchao's scaled grouped GEMMs take: multiples of 16 (float8 rowwise: 16-byte aligned float8 rows) or of 32
+    (MXFP8: whole scale blocks along both dims, since the input gradient scales along the other one)."""
+    if not cfg.enable_float8_linear or not cfg.moe_fqns:
+        return
+    if not shape.experts:
+        raise ConfigError(
+            f"float8.moe_fqns {cfg.moe_fqns}: model.flavor {flavor} is dense (no routed experts); drop float8.moe_fqns"
+        )
+    multiple = 32 if cfg.is_mxfp8 else 16
+    dims = {"dim": shape.dim, "moe_hidden_dim": shape.expert_hidden_dim}
+    bad = [f"model.{k} {v}" for k, v in dims.items() if v % multiple]
+    if bad:
+        raise ConfigError(
+            f"float8.moe_fqns with recipe_name {cfg.recipe}: the experts' grouped GEMMs need dims divisible by "
+            f"{multiple}, but {', '.join(bad)} is not; keep the experts high precision (drop float8.moe_fqns) or "
+            f"change the shape"
+        )
+    if compile_on:
+        raise ConfigError(
+            "float8.moe_fqns with training.compile: float8 on the experts is not composed with torch.compile in kiln "
+            "yet; drop one of them"
         )
 
 

@@ -516,6 +516,9 @@ class ActivationCheckpoint:
 # contraction dim, one power-of-two (e8m0) scale per block, rounded up (rceil); real kernels need Blackwell (SM100).
 MXFP8_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
 MXFP8_BLOCK = 32
+# float8.moe_fqns: the Linear recipes whose experts run torchao's float8 rowwise grouped GEMMs (its only float8
+# grouped recipe, FP8_ROWWISE; MXFP8 recipes run MXFP8 grouped GEMMs)
+FLOAT8_EXPERT_RECIPES = ("tensorwise", "rowwise")
 # NVFP4 (torchao's NVFP4 training recipe, emulated): e2m1 elements in blocks of 16 with an e4m3 scale each, times one
 # float32 scale per tensor; weights in 16 x 16 tiles, gradients stochastically rounded (float8/nvfp4.py).
 NVFP4 = "nvfp4"
@@ -538,7 +541,15 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = _f(
         False, "One all-reduce of all weight amaxes after the optimizer step (needs float8 all-gather)."
     )
-    filter_fqns: list[str] = _f(["output"], "Linears whose name contains one of these stay high precision.")
+    filter_fqns: list[str] = _f(
+        ["output"], "Linears (and routed experts) whose name contains one of these stay high precision."
+    )
+    moe_fqns: list[str] = _f(
+        [],
+        "Routed experts whose name contains one of these (e.g. experts) run their grouped GEMMs in low precision: "
+        "float8 rowwise with recipe_name tensorwise or rowwise, MXFP8 with mxfp8_*; [] = the experts stay high "
+        "precision (torchtitan's quantize.grouped_mm.float8.fqns; docs/moe.md).",
+    )
     emulate: bool = _f(False, "Emulate float8 matmuls (CPU tests, GPUs below SM 8.9).")
     auto_filter_small_kn: bool = _f(
         False, "Also keep Linears whose GEMM is too small to gain in high precision (torchao's H100 thresholds)."

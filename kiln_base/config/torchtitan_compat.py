@@ -135,6 +135,7 @@ def show(value: Any) -> str:
 # ----------------------------------------------------------------------------- map functions
 
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # v0.1.0's name; v0.2's registry name
+GROUPED_FLOAT8_CONVERTER = "quantize.grouped_mm.float8"  # v0.2: the experts named by its fqns (float8.moe_fqns)
 KILN_TOKENIZER = "assets/tokenizer/tokenizer.model"  # kiln's bundled test tokenizer (Model.tokenizer_path default)
 TORCHTITAN_TEST_TOKENIZERS = ("tests/assets/test_tiktoken.model", "tests/assets/tokenizer")  # v0.1.0, v0.2
 
@@ -152,10 +153,18 @@ def _converters(value: list[str]) -> dict[str, Any]:
                 f"converter '{name}': MX (mxfp8) training is not supported; kiln offers float8: "
                 'model.converters = ["float8"] with float8.recipe_name tensorwise, rowwise or rowwise_with_gw_hp'
             )
+        if name == GROUPED_FLOAT8_CONVERTER:
+            if not any(n in FLOAT8_CONVERTERS for n in value):
+                raise Refused(
+                    f"converter '{name}' without a Linear float8 converter: kiln's float8 on the experts rides on "
+                    'float8.enable_float8_linear; add "quantize.linear.float8" and keep the Linears high precision '
+                    "with float8.filter_fqns if wanted"
+                )
+            continue
         if name.startswith("quantize.grouped_mm."):
             raise Refused(
-                f"converter '{name}' quantizes MoE grouped GEMMs, which kiln does not (its experts train in high "
-                'precision); use "float8" for the Linears'
+                f"converter '{name}': kiln runs MXFP8 on the experts as float8.recipe_name mxfp8_rceil with "
+                'float8.moe_fqns (e.g. ["experts"]); use "quantize.linear.float8" and those keys'
             )
         raise Refused(f"unknown converter '{name}'; kiln has \"float8\" (float8.enable_float8_linear)")
     return {"float8.enable_float8_linear": any(name in FLOAT8_CONVERTERS for name in value)}
@@ -213,7 +222,7 @@ def _compile_components(value: list[str]) -> bool:
 DUALPIPE_ONLY = "only read by the DualPipeV schedule, which kiln refuses"
 DILOCO_ONLY = "read by DiLoCo (semi_sync_method `diloco`); docs/fault_tolerance.md"
 MX_ONLY = "only read with an MX converter in model.converters, which kiln refuses"
-MOE_ONLY = "only read with a grouped-GEMM converter (MoE), which kiln refuses"
+MOE_ONLY = "only read with the MX grouped-GEMM converter, which kiln refuses (float8.recipe_name mxfp8_rceil instead)"
 WORKERS_ONLY = "only read with dataloader worker processes (num_workers > 0), which kiln refuses"
 MOE_OFFER = "MoE (expert parallelism) is not supported; kiln trains dense Llama 3"
 NO_USER_MODULES = "kiln does not import user modules; its config keys are fixed (train.py --help)"
@@ -285,7 +294,8 @@ ROWS_LIST: tuple[Key, ...] = (
         list[str],
         _converters,
         '`"float8"` (or `"quantize.linear.float8"`) -> `float8.enable_float8_linear = true`, no float8 converter -> '
-        "false; MX and grouped-GEMM (MoE) converters refused",
+        'false; `"quantize.grouped_mm.float8"` accepted beside it (its fqns -> `float8.moe_fqns`); MX converters '
+        "refused",
     ),
     ignore_if("model.print_after_conversion", ALL, bool, (False,), OFF, DRY_RUN_OFFER),
     mapped(
@@ -624,7 +634,7 @@ ROWS_LIST: tuple[Key, ...] = (
     ignore_any("quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", V02, MX_ONLY),
     ignore_any("quantize.linear.mx.recipe_name", V02, MX_ONLY),
     ignore_any("quantize.linear.mx.filter_fqns", V02, MX_ONLY),
-    ignore_any("quantize.grouped_mm.float8.fqns", V02, MOE_ONLY),
+    rename("quantize.grouped_mm.float8.fqns", V02, list[str], "float8.moe_fqns"),
     ignore_any("quantize.grouped_mm.mx.recipe_name", V02, MOE_ONLY),
     ignore_any("quantize.grouped_mm.mx.fqns", V02, MOE_ONLY),
     # comm

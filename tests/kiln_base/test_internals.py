@@ -554,6 +554,29 @@ def test_mxfp8_internals() -> None:
     assert internals.local_tensor_or_self(hp) is hp
 
 
+def test_moe_training_grouped_gemms() -> None:
+    """torchao's scaled grouped GEMMs (torchao.prototype.moe_training): the MXFP8 one runs emulated on a CPU (bf16)
+    with the output in the input's dtype and MXFP8-sized error; the float8 rowwise one is CUDA only, so here only the
+    keywords kiln passes are checked against its signature."""
+    import dataclasses
+    import inspect
+
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    params = inspect.signature(_to_fp8_rowwise_then_scaled_grouped_mm).parameters
+    assert {"out_dtype", "float8_dtype", "pad_token_groups_for_grouped_mm"} <= params.keys()
+    config = dataclasses.replace(
+        MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL), kernel_preference=KernelPreference.EMULATED
+    )
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    a, b_t = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(2, 32, 64, dtype=torch.bfloat16).transpose(-2, -1)
+    out = internals.torchao_mxfp8_grouped_mm(a, b_t, offs, config)
+    exact = internals.grouped_mm(a.float(), b_t.float(), offs)
+    assert out.dtype == torch.bfloat16 and 0 < ((out.float() - exact).norm() / exact.norm()).item() < 0.1
+
+
 # ----------------------------------------------------------------------------- compile counters, flex attention
 
 

@@ -206,6 +206,13 @@ MAPPINGS = [
         {"parallelism.pipeline_parallel_schedule": "ZBVZeroBubble"},
     ),
     (["--metrics.enable_wandb"], {"metrics.enable_wandb": True}),  # honoured (trainer/components/scalar_writers.py)
+    (  # float8 on the experts: the grouped-GEMM converter beside the Linears', its fqns -> float8.moe_fqns
+        [
+            *("--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8"),
+            *("--quantize.linear.float8.recipe_name", "rowwise", "--quantize.grouped_mm.float8.fqns", "experts"),
+        ],
+        {"float8.enable_float8_linear": True, "float8.moe_fqns": ["experts"], "float8.recipe_name": "rowwise"},
+    ),
 ]
 
 
@@ -253,7 +260,8 @@ REFUSALS = [
     ),
     (["--parallelism.pipeline_parallel_schedule", "DualPipeV"], '"DualPipeV": DualPipeV overlaps expert-parallel'),
     (["--model.converters", "float8,mx"], '--model.converters = ["float8", "mx"]: converter \'mx\': MX (mxfp8)'),
-    (["--model.converters", "quantize.grouped_mm.float8"], "quantizes MoE grouped GEMMs, which kiln does not"),
+    (["--model.converters", "quantize.grouped_mm.float8"], "without a Linear float8 converter: kiln's float8 on"),
+    (["--model.converters", "float8,quantize.grouped_mm.mx"], "kiln runs MXFP8 on the experts as float8.recipe_name"),
     (["--training.dtype", "bfloat16"], '--training.dtype = "bfloat16": all-bfloat16 training is not supported'),
     (["--compile.components", "loss"], '--compile.components = ["loss"]: kiln compiles the model'),
     (["--comm.mode", "local_tensor"], '--comm.mode = "local_tensor": simulating ranks on one device'),

@@ -81,6 +81,8 @@ def training_settings(
     }
     if f8.high_precision_last >= 0:  # saved only when set: checkpoints from before the key read as its default
         float8["high_precision_last"] = f8.high_precision_last
+    if f8.moe_fqns:  # likewise
+        float8["moe_fqns"] = list(f8.moe_fqns)
     return {
         "data": data,  # files and sizes (not their folder: moved data is the same data), or the hub id
         "model.tokenizer": tokenizer_sha256,

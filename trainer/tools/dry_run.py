@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from float8.converter import build_float8_converter, is_float8_linear
+from float8.experts import is_experts, is_low_precision_experts
 from kiln_base.config import (
     ActivationCheckpoint,
     Float8,
@@ -259,6 +260,11 @@ def _float8_lines(model: nn.Module, linear_fqns: list[str], f8: Float8, reasons:
     if f8.enable_float8_linear and f8.disable_after_step:
         policy = [f"float8 policy: high precision from step {f8.disable_after_step + 1} (float8.disable_after_step)"]
     rows = [f"  {pat:<34} x{n:<4} {value}" for pat, value, n in _group(status)]
+    experts = [m for m in model.modules() if is_experts(m)]
+    if f8.enable_float8_linear and f8.moe_fqns:
+        low = sum(is_low_precision_experts(m) for m in experts)
+        what = f"{f8.recipe if f8.is_mxfp8 else 'float8 rowwise'} grouped GEMMs{' (emulated)' if f8.emulate else ''}"
+        rows.append(f"  {'routed experts (float8.moe_fqns)':<34} x{len(experts):<4} {low} run {what}")
     return [f"float8: {n_f8}/{len(status)} Linears converted{recipe}", *rows, *policy]
 
 
