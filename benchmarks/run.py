@@ -6,6 +6,7 @@
     python benchmarks/run.py --preset llama3_8b_8l --skip-done              # every row not yet in --out
     python benchmarks/run.py --preset llama3_8b_8l --summary                # the table of all rows in --out
     python benchmarks/run.py --preset llama3_8b_8l --engine torchtitan      # torchtitan 0.2.2, same shape and rows
+    python benchmarks/run.py --preset qwen3_30b_a3b_4l --check              # each row's dry run, here on a CPU
 
 Each row runs benchmarks/row.py (train.py's Trainer plus a timer of the transformer blocks) in a fresh process
 (torchrun when --nproc > 1) for --warmup + --steps steps with log_freq 1, killed after --timeout seconds.
@@ -53,6 +54,8 @@ PRECISIONS: dict[str, list[str]] = {
     ],
     "rowwise": ["--float8.enable_float8_linear", "--float8.recipe_name", "rowwise"],
     "rowwise_with_gw_hp": ["--float8.enable_float8_linear", "--float8.recipe_name", "rowwise_with_gw_hp"],
+    # MXFP8 (32-element blocks, e8m0 scales): Blackwell (SM100) only; kiln refuses it on an H100/H200.
+    "mxfp8_rceil": ["--float8.enable_float8_linear", "--float8.recipe_name", "mxfp8_rceil"],
 }
 AC: dict[str, list[str]] = {
     "none": ["--activation_checkpoint.mode", "none"],
@@ -72,6 +75,17 @@ LLAMA3_8B_WIDTHS = [
     "1",
     "--metrics.enable_tensorboard=false",
     "--profiling.enable_profiling=false",
+]
+# Qwen3-30B-A3B widths (models/args.py: dim 2048, 32 heads of 128, 4 KV heads, 128 experts of width 768, top 8, no
+# shared experts) with Qwen's 151,936-token vocabulary over the bundled tokenizer's ids. float8 converts the
+# Linears only (attention's q/k/v/o; the routed experts' grouped GEMMs stay bf16: float8 on the experts is not on
+# main yet) and keeps the routers' gates (128 outputs) high precision besides the output layer.
+QWEN3_30B_A3B_WIDTHS = [
+    *("--model.name", "qwen3", "--model.flavor", "30B-A3B"),
+    *("--model.tokenizer_path", "assets/tokenizer/tokenizer.model", "--model.vocab_size", "151936"),
+    *("--training.dataset", "kiln_corpus", "--training.seq_len", "4096", "--training.local_batch_size", "2"),
+    *("--metrics.enable_tensorboard=false", "--profiling.enable_profiling=false"),
+    *("--float8.filter_fqns", "output,router.gate"),
 ]
 PRESETS: dict[str, dict] = {
     # Seconds per row on a CPU: shows the harness and its output, not float8 speed (a CPU has no float8 units).
@@ -98,6 +112,35 @@ PRESETS: dict[str, dict] = {
         compile=[False],
         ac=["none", "op"],
         precision=["fp32", "tensorwise", "rowwise", "rowwise_with_gw_hp"],
+    ),
+    # qwen3 debugmodel_moe (4 layers, 8 experts of width 128, top 2) on a CPU, float32: one rank, or with
+    # `--nproc 2 -- --training.local_batch_size 2 --parallelism.expert_parallel_degree 2` EP 2 on the same global
+    # batch (docs/performance.md, "MoE on a CPU").
+    "cpu_moe": dict(
+        config="train_configs/debug_model.toml",
+        nproc=1,
+        warmup=2,
+        steps=8,
+        timeout=600,
+        args=["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.seq_len", "256"]
+        + ["--training.local_batch_size", "4", "--training.mixed_precision_param", "float32"],
+        compile=[False],
+        ac=["none"],
+        precision=["bf16"],  # no float8; float32 compute from the args
+    ),
+    # Qwen3-30B-A3B widths with 4 of its 48 layers on one GPU: 3.1 B parameters (2.4 B of them experts), 50 GB of
+    # fp32 weights, gradients and AdamW state; compiled, per-op SAC, 2 x 4096 tokens a step (512 rows per expert
+    # on average). bf16 against Linear-only float8 rowwise; MXFP8 where the GPU has it (scripts/gpu_speed.sh moe).
+    "qwen3_30b_a3b_4l": dict(
+        config="train_configs/llama3_8b.toml",
+        nproc=1,
+        warmup=3,
+        steps=5,
+        timeout=400,
+        args=["--model.n_layers", "4", *QWEN3_30B_A3B_WIDTHS],
+        compile=[True],
+        ac=["op"],
+        precision=["bf16", "rowwise", "mxfp8_rceil"],
     ),
     # Llama3 8B widths (dim 4096, 32 heads, 8 kv heads, FFN 14336, vocab 128256), 4 layers, seq 8192, one GPU.
     "h200": dict(
@@ -244,13 +287,17 @@ def run_one(row: Row, preset: dict, extra: list[str], out: Path, timeout: float)
         if row.profile:
             script[1:1] = ["--bench.profile_steps", str(row.profile)]
         if row.nproc > 1:
-            cmd = ["torchrun", f"--nproc_per_node={row.nproc}", "--rdzv_endpoint=localhost:0", *script]
+            # --standalone: a rendezvous on a free local port (a static "localhost:0" endpoint is never reachable)
+            cmd = ["torchrun", "--standalone", f"--nproc_per_node={row.nproc}", *script]
         else:
             cmd = [sys.executable, *script]
     t0 = time.perf_counter()
     # A session of its own, so a timeout kills torchrun's workers too.
+    # OMP_WAIT_POLICY PASSIVE unless set, as run_train.sh runs train.py: spinning OpenMP threads on shared CPU
+    # cores made a one-process row 8x slower (docs/performance.md, "MoE on a CPU").
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -437,6 +484,33 @@ def select(rows: list[tuple[str, bool, str]], spec: str | None) -> list[int]:
     return list(dict.fromkeys(picked))
 
 
+def check_rows(name: str, preset: dict, rows: list[tuple[str, bool, str]], extra: list[str]) -> int:
+    """--check: each row's train.py arguments through kiln's dry run in this process (the config parsed and
+    checked, the model built on the meta device with its float8 conversion and parallel plan, the memory per device
+    estimated for a GPU run of the preset's process count); the plan's summary lines per row (the parameters,
+    float8's conversions, the memory per device), exit 1 if any row fails to plan. The GPU's own checks (float8
+    or MXFP8 hardware) are the run's."""
+    sys.path.insert(0, str(ROOT))
+    # Imported here: the rest of the harness only starts processes, and stays light to import.
+    from kiln_base.config import parse_args
+    from kiln_base.errors import UserError
+    from trainer.tools.dry_run import dry_run
+
+    failed = 0
+    for precision, compile_, ac in rows:
+        row = Row(name, precision, compile_, ac, preset["nproc"], preset["warmup"], preset["steps"], 0)
+        argv = [*train_args(row, preset, extra, Path("/tmp/kiln_check")), "--job.dry_run"]
+        try:
+            plan = dry_run(parse_args(argv), preset["nproc"]).splitlines()
+        except UserError as e:
+            failed += 1
+            print(f"{row.id}: does not plan: {e}", flush=True)
+            continue
+        keep = ("parameters:", "float8:", "  total ")
+        print(f"{row.id}: plans; " + "; ".join(" ".join(line.split()) for line in plan if line.startswith(keep)))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -451,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=None, help="which rows: indices, ranges or ids (see --list); default: all")
     ap.add_argument("--skip-done", action="store_true", help="skip rows already in --out without an error")
     ap.add_argument("--list", action="store_true", help="print the rows (index and id) and exit")
+    ap.add_argument(
+        "--check", action="store_true", help="dry-run each row's train.py arguments here (no GPU needed) and exit"
+    )
     ap.add_argument("--summary", action="store_true", help="print the table of every row in --out and exit")
     ap.add_argument("--out", type=Path, default=None, help="results folder; default benchmarks/results/<preset>")
     ap.add_argument("--engine", choices=["kiln", "torchtitan"], default="kiln", help="torchtitan: gpu_bundle's 0.2.2")
@@ -489,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         picked = select(matrix, a.rows)
     except ValueError as e:
         ap.error(str(e))
+    if a.check:
+        return check_rows(a.preset, preset, [matrix[i] for i in picked], a.extra)
     out.mkdir(parents=True, exist_ok=True)
     every = [*preset["args"], *a.extra]
     tokens = int(_flag(every, "--training.local_batch_size", "8")) * int(_flag(every, "--training.seq_len", "2048"))

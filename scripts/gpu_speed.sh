@@ -5,11 +5,19 @@
 #   bash scripts/gpu_speed.sh rows  [budget s]   rows with and without inductor's tiled reductions, their loss
 #                                                curves, torchtitan's missing rows, CUDA graphs, flex vs causal, a
 #                                                longer kiln-vs-torchtitan run, the compiled saved-activation report
+#   bash scripts/gpu_speed.sh moe   [budget s]   the MoE preset qwen3_30b_a3b_4l (Qwen3-30B-A3B widths, 4 layers,
+#                                                seq 4096, compiled, per-op SAC): bf16, Linear-only float8 rowwise,
+#                                                MXFP8 on a Blackwell GPU (capability 10+), then bf16 eager
+#   bash scripts/gpu_speed.sh check              on any machine, no GPU: every MoE preset row's dry run (it parses,
+#                                                builds on meta and fits), before spending device time on it
 # Needs gpu_bundle/ (python scripts/prepare_gpu_run.py). Results: $OUT/<part>.tgz and the printed tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?diag or rows}
+PART=${1:?diag, rows, moe or check}
 BUDGET=${2:-240}
+if [[ $PART == check ]]; then
+    exec python3 benchmarks/run.py --preset qwen3_30b_a3b_4l --check
+fi
 START=$(date +%s)
 OUT=${OUT:-/tmp/gpu_speed_out}
 RES=/tmp/gpu_speed/$PART
@@ -100,6 +108,29 @@ if [[ $PART == rows ]]; then
         [[ -f $RES/$d/results.jsonl ]] && python3 benchmarks/run.py --preset llama3_8b_8l --summary --out "$RES/$d"
     done
     python3 benchmarks/projection.py --results "$RES/tiles"
+    save
+fi
+# moe_row PRECISION [run.py flags]: one qwen3_30b_a3b_4l row (3 warm-up, 5 measured steps), killed at 200 s or at
+# the budget's end.
+moe_row() {
+    local precision=$1
+    shift
+    local room=$(($(left) - 5))
+    python3 benchmarks/run.py --preset qwen3_30b_a3b_4l --precision "$precision" \
+        --timeout $((room < 200 ? room : 200)) --out "$RES/moe" "$@"
+}
+if [[ $PART == moe ]]; then
+    step moe_check 30 python3 benchmarks/run.py --preset qwen3_30b_a3b_4l --check --rows 0
+    step moe_bf16 90 moe_row bf16
+    step moe_rowwise 90 moe_row rowwise
+    major=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | cut -d. -f1)
+    if ((major >= 10)); then
+        step moe_mxfp8 90 moe_row mxfp8_rceil
+    else
+        echo "== skipped moe_mxfp8: compute capability ${major}.x has no MXFP8 matmuls (needs 10.0+)"
+    fi
+    step moe_bf16_eager 90 moe_row bf16 --compile off
+    [[ -f $RES/moe/results.jsonl ]] && python3 benchmarks/run.py --preset qwen3_30b_a3b_4l --summary --out "$RES/moe"
     save
 fi
 echo "== done after $(($(date +%s) - START))s"

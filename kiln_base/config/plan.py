@@ -591,7 +591,10 @@ def pipeline_rank_params(shape: ModelShape, plan: PipelinePlan, pp_rank: int) ->
 def training_bytes(shape: ModelShape, shards: int, plan: PipelinePlan | None = None) -> int:
     """Bytes one rank holds for weights, gradients and AdamW state with the model split over `shards` ranks (FSDP
     shard degree x TP degree; replicas each hold their own copy); under pipeline parallelism (`plan`) the stages of
-    the pipeline rank holding the most."""
+    the pipeline rank holding the most. An MoE's routed experts count the same under expert parallelism: each EP
+    rank holds E / ep of them and FSDP splits those over efsdp = dp_shard / ep, so they too are split over
+    ep x efsdp = dp_shard ranks (EP composes with neither TP nor CP; tests/trainer/test_dry_run_moe.py holds
+    this against a built model's shards)."""
     params = model_params(shape)
     if plan is not None:
         params = max(pipeline_rank_params(shape, plan, r) for r in range(plan.degree))
@@ -683,25 +686,35 @@ def logit_tokens(cfg: JobConfig, plan: RunPlan) -> tuple[int, str]:
 
 
 def _activation_elems_per_token_layer(shape: ModelShape, ac: ActivationCheckpoint) -> float:
-    """Elements kept for backward per token per block (flash SDPA, eager), before TP/SP division.
+    """Elements kept for backward per token per block (flash SDPA, eager), before TP/SP division; q = n_heads x
+    head width (dim for Llama 3; Qwen3's MoE flavors have twice dim), kv = n_kv_heads x head width.
 
-    No AC: norm inputs 2*dim, norm outputs feeding the Linears 2*dim, q/k/v 3 projections (dim + 2*kv),
-    RoPE'd q/k (dim + kv) and SDPA out (dim), wo input shared with it, FFN w1/w3 outputs, silu output and
-    the product (4*hidden): ~8*dim + 3*kv + 4*hidden. Full AC keeps only the block input (dim).
-    Per-op SAC keeps the block input plus every second mm output (wq, wv, w1, w2) and SDPA out.
+    No AC: norm inputs 2*dim, norm outputs feeding the Linears 2*dim, q/k/v 3 projections (q + 2*kv), with q/k
+    norms their outputs (q + kv), RoPE'd q/k (q + kv) and SDPA out (q), wo input shared with it, the residual (dim),
+    FFN w1/w3 outputs, silu output and the product (4*hidden): ~5*dim + 3*q + 3*kv + 4*hidden. An MoE's hidden is
+    its k experts' rows and its shared expert's, and it also keeps each token's k dispatched copies (below).
+    Full AC keeps only the block input (dim). Per-op SAC keeps the block input plus every second mm output (wq,
+    wv, w1, w2) and SDPA out; in an MoE block the routed experts' grouped GEMMs are not in the save list, so the
+    saved mms are wq, wv, the router's gate (E scores) and the shared expert's w3.
     Selective every N blocks: 1 block in N is fully recomputed.
     """
-    kv = shape.head_width * shape.n_kv_heads
-    hidden = shape.token_ffn_width  # an MoE: the k experts' rows a token adds (the router's scores are small)
-    full_block = 8 * shape.dim + 3 * kv + 4 * hidden
+    dim, q, kv = shape.dim, shape.head_width * shape.n_heads, shape.head_width * shape.n_kv_heads
+    hidden = shape.token_ffn_width  # an MoE: the k experts' rows a token adds, and the shared expert's
+    # An MoE also keeps each token's k dispatched copies: the rows gathered for the experts (the grouped GEMMs'
+    # input) and the experts' output rows (for the product with the routing weights), 2 k x dim. Expert
+    # parallelism adds none that backward keeps (its all-to-alls save nothing; the received rows, sorted, are the
+    # GEMMs' input), but a rank receives rows in proportion to its experts' load: up to moe_imbalance x as many.
+    dispatched = 2 * shape.top_k * dim if shape.experts else 0
+    full_block = 5 * dim + 3 * q + 3 * kv + (q + kv) * shape.qk_norm + 4 * hidden + dispatched
     if ac.mode == "none":
         return full_block
     if ac.mode == "full":
-        return shape.dim
+        return dim
     if ac.selective_ac_option == "op":
-        return shape.dim + (shape.dim + kv + hidden + shape.dim) + shape.dim
+        ffn = shape.experts + shape.shared_hidden_dim if shape.experts else hidden + dim
+        return dim + q + kv + ffn + q
     every = int(ac.selective_ac_option)
-    return (shape.dim + (every - 1) * full_block) / every
+    return (dim + (every - 1) * full_block) / every
 
 
 def _blocks_keeping_inputs(blocks: int, ac: ActivationCheckpoint) -> int:

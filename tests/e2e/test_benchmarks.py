@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -132,6 +133,26 @@ def test_gpu_bundle_check_uses_the_presets_shape() -> None:
     keys = ("--job.config_file", "--model.n_layers", "--model.vocab_size", "--training.seq_len")
     for key in (*keys, "--training.local_batch_size"):
         assert run._flag(KILN_SHAPE, key, "") == run._flag(every, key, "?"), key
+
+
+def test_the_moe_gpu_preset_plans_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """--check dry-runs every row of the MoE GPU preset here: bf16, Linear-only float8 rowwise (the routers' gates
+    and the output layer kept high precision) and MXFP8 parse, build on meta and fit an 80 GB GPU by the estimate;
+    a row that does not plan exits 1 naming it."""
+    assert run.main(["--preset", "qwen3_30b_a3b_4l", "--check"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": plans; " in line]
+    assert [line.split(":")[0] for line in lines] == [
+        "bf16/compile/ac-op",
+        "rowwise/compile/ac-op",
+        "mxfp8_rceil/compile/ac-op",
+    ]
+    assert all("parameters: 3,114,814,464 total, 849,890,304 active per token" in line for line in lines), lines
+    assert "float8: 16/21 Linears converted (recipe rowwise)" in lines[1]
+    assert "float8: 16/21 Linears converted (recipe mxfp8_rceil)" in lines[2]
+    total = re.search(r"total ([\d.]+) GiB", lines[0])
+    assert total and float(total.group(1)) < 80, lines[0]
+    assert run.main(["--preset", "qwen3_30b_a3b_4l", "--check", "--rows", "0", "--", "--model.flavor", "9B"]) == 1
+    assert "bf16/compile/ac-op: does not plan: model.flavor '9B'" in capsys.readouterr().out
 
 
 def test_kernel_categories_of_h200_kernel_names() -> None:

@@ -15,7 +15,9 @@ the memory fit are left to the run (the dry run plans for files that may be else
 
 It runs the same code as training: float8/'s converter (its per-Linear decisions give the reasons) and
 parallelize_llama (whose returned TP plan gives the styles; each module's weight layout is read back from its
-DTensor placement on the `tp` mesh dimension).
+DTensor placement on the `tp` mesh dimension). An MoE's lines (total and active parameters; where the routed experts
+live under expert parallelism, which borrows its ranks from dp_shard and adds none to the world) are read from the
+built model's shards too: the memory per device is that of the simulated rank 0.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from float8.converter import build_float8_converter, is_float8_linear
 from float8.experts import is_experts, is_low_precision_experts
 from kiln_base.config import (
     ActivationCheckpoint,
+    Degrees,
     Float8,
     JobConfig,
     Parallelism,
@@ -41,6 +44,7 @@ from kiln_base.config import (
     training_bytes,
 )
 from kiln_base.internals import init_fake_process_group, unwrapped_fqn
+from models import moe_layers
 from models.args import FAMILIES
 from parallelisms.grad_reduce import reduction_line
 from parallelisms.parallel_dims import ParallelDims
@@ -159,6 +163,7 @@ def dry_run(cfg: JobConfig, world_size: int | None = None) -> str:
             lines.append(f"tensor parallel (tp={dims.tp}, loss parallel {on[not p.disable_loss_parallel]}):")
             lines += [f"  {pat:<34} x{n:<4} {v}" for pat, v, n in sorted(_group(_tp_styles(model, plan)), key=_order)]
         lines += _cp_lines(run, p, t.seq_len)
+        lines += _expert_lines(model, run.degrees)
         lines += _ac_lines(ac)
         if pipeline is None:
             mem = memory_estimate(cfg, run, local_params(model), "cuda")
@@ -292,6 +297,40 @@ def _cp_lines(run: RunPlan, p: Parallelism, seq_len: int) -> list[str]:
         f"context parallel (cp={cp}, rotate {p.context_parallel_rotate_method}): each rank holds "
         f"{seq_len // cp} of every sequence's {seq_len} tokens: {split}; FSDP shards over dp_shard x cp "
         f"= {run.degrees.fsdp_shards} ranks",
+    ]
+
+
+def _held(params: list[nn.Parameter]) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole tensors) of `params`."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params), sum(p.numel() for p in params)
+
+
+def _expert_lines(model: nn.Module, degrees: Degrees) -> list[str]:
+    """Where an MoE's routed experts live and what this (simulated) rank holds of them and of the other weights,
+    read from the built model's shards: with expert parallelism each EP rank holds E / ep experts of every layer and
+    FSDP splits those over efsdp = dp_shard / ep, the other weights over dp_shard; both over dp_shard ranks in all."""
+    layers = moe_layers(model)
+    if not layers:
+        return []
+    experts = [p for moe in layers for p in moe.experts.parameters()]
+    ids = {id(p) for p in experts}
+    held, whole = _held(experts)
+    rest_held, rest_whole = _held([p for p in model.parameters() if id(p) not in ids])
+    w1 = layers[0].experts.w1
+    n = layers[0].experts.num_experts
+    local = tuple((w1.to_local() if hasattr(w1, "to_local") else w1).shape)
+    if degrees.ep > 1:
+        where = (
+            f"expert parallel: dp_shard {degrees.dp_shard} = efsdp {degrees.efsdp} x ep {degrees.ep}; each EP rank "
+            f"holds {n // degrees.ep} of every MoE layer's {n} experts, FSDP-sharded over efsdp {degrees.efsdp}"
+        )
+    else:
+        where = f"experts: {n} per MoE layer, FSDP-sharded with the other weights over {degrees.fsdp_shards} ranks"
+    return [
+        f"{where} (a rank's w1: {list(local)} of {list(w1.shape)})",
+        f"  parameters a rank holds: {held:,} of the experts' {whole:,} (1/{whole / max(held, 1):.4g}) + "
+        f"{rest_held:,} of the other weights' {rest_whole:,} (1/{rest_whole / max(rest_held, 1):.4g}) = "
+        f"{held + rest_held:,}",
     ]
 
 
