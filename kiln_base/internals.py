@@ -261,9 +261,10 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 
 def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """`mesh` with its dimension `dim` split into `names` of `sizes` (the last innermost), e.g. dp_shard -> (efsdp,
-    ep); the same root mesh, so FSDP composes a parameter's placements over both. Checked on torch 2.13.0
-    (`DeviceMesh._unflatten(dim, mesh_sizes, mesh_dim_names)`)."""
-    return mesh._unflatten(dim, sizes, names)
+    ep); the same root mesh, so FSDP composes a parameter's placements over both. Checked on torch 2.11.0 and 2.13.0
+    (`DeviceMesh._unflatten(dim, mesh_sizes, mesh_dim_names)`); given the dimension's index, as torch 2.11 refuses
+    every name it has (its check is inverted: "dim b specified in `_unflatten` is not in ('a', 'b')")."""
+    return mesh._unflatten(mesh.mesh_dim_names.index(dim), sizes, names)
 
 
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
