@@ -175,6 +175,8 @@ def writable_dir_problem(folder: str) -> str | None:
 # Object stores kiln keeps checkpoints in: URL scheme -> (the fsspec package that implements it, kiln's extra).
 OBJECT_STORES = {"s3": ("s3fs", "s3")}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_ALMOST_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
+_URL_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "hdfs", "http", "https", "file"}  # what a typo is taken for
 
 
 def url_scheme(path: str) -> str | None:
@@ -196,7 +198,12 @@ def object_store_problem(url: str) -> str | None:
     importing it (s3fs pulls in botocore, ~1 s)."""
     scheme = url_scheme(url)
     if scheme is None:
+        typo = _ALMOST_URL.match(url)  # s3:/b/p, a slash short: it would be a local folder named `s3:`
+        if typo and typo.group(1).lower() in _URL_SCHEMES:
+            return f"{url} is not a URL (a slash short?) nor a folder kiln would write; write {typo.group(1)}://..."
         return None
+    if not url.startswith(f"{scheme}://"):  # fsspec knows its protocols in lower case only
+        return f"write the scheme in lower case: {scheme}://{url[len(scheme) + 3 :]}"
     if scheme in ("gs", "gcs"):
         return (
             f"{scheme}:// is not supported yet: kiln's object-storage checkpoints are built and tested on s3:// "

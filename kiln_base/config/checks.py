@@ -162,9 +162,10 @@ def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
         f"job.dump_folder {dump}: a local folder (logs, traces, TensorBoard); a URL is not supported there; keep "
         "checkpoints in object storage with checkpoint.folder s3://BUCKET/PREFIX",
     )
-    if c.enable_checkpoint and url_scheme(c.folder) is not None:
-        problem = object_store_problem(c.folder)
+    if c.enable_checkpoint:
+        problem = object_store_problem(c.folder)  # also a URL's typo (s3:/b/p): it would be a local folder `s3:`
         _check(problem is None, f"checkpoint.folder {c.folder}: {problem}")
+    if c.enable_checkpoint and url_scheme(c.folder) is not None:
         _check(
             c.async_mode == "disabled",
             f"checkpoint.async_mode {c.async_mode} with checkpoint.folder {c.folder}: saving into object storage in "

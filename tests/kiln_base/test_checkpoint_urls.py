@@ -30,7 +30,7 @@ def test_url_scheme(path: str, scheme: str | None) -> None:
     assert url_scheme(path) == scheme
 
 
-@pytest.mark.parametrize("path", ["checkpoint", "/abs/checkpoint", "s3:/one-slash", "./s3:x"])
+@pytest.mark.parametrize("path", ["checkpoint", "/abs/checkpoint", "./s3:x", "run:v1"])
 def test_local_paths_are_no_urls(path: str) -> None:
     assert url_scheme(path) is None
     assert object_store_problem(path) is None
@@ -42,6 +42,9 @@ def test_local_paths_are_no_urls(path: str) -> None:
         ("hdfs://namenode/run", "hdfs:// is not an object store kiln supports; use s3://BUCKET/PREFIX"),
         ("gs://bucket/run", "gs:// is not supported yet"),
         ("s3:///run", "names no bucket; write s3://BUCKET/PREFIX"),
+        ("S3://bucket/run", "write the scheme in lower case: s3://bucket/run"),  # fsspec knows no 'S3'
+        ("s3:/bucket/run", "is not a URL (a slash short?)"),  # else a local folder named `s3:`
+        ("s3:bucket", "is not a URL (a slash short?)"),
     ],
 )
 def test_unusable_checkpoint_folder_url_is_one_line_naming_key_and_url(url: str, needle: str) -> None:

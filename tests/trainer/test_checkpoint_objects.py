@@ -77,6 +77,18 @@ def test_a_refused_permission_is_not_retried(s3: S3Server) -> None:
     assert fs.calls == 1 and waits == []
 
 
+class NoCredentialsError(Exception):  # botocore's, by name: kiln tells it by its name
+    pass
+
+
+def test_missing_credentials_are_not_retried(s3: S3Server) -> None:
+    waits: list[float] = []
+    fs = _Flaky(99, NoCredentialsError("Unable to locate credentials"))
+    with pytest.raises(CheckpointError, match="failed: NoCredentialsError: Unable to locate credentials .check"):
+        _store(s3, fs, waits).listing()
+    assert fs.calls == 1 and waits == []
+
+
 def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(s3: S3Server) -> None:
     for key in ("step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json"):  # complete
         s3.write(f"run/ckpt/{key}", b"{}")

@@ -60,6 +60,8 @@ METADATA = ".metadata"
 # The names a step prefix may hold that kiln downloads: DCP's index, kiln.json and the ranks' data files.
 _READ = re.compile(r"^(\.metadata|kiln\.json|__\d{1,6}_\d{1,6}\.distcp)$")
 _NOT_TRANSIENT = (FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+# botocore's, by name (this module imports no botocore): no credentials will not appear on a retry
+_NOT_TRANSIENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError"}
 T = TypeVar("T")
 
 
@@ -102,6 +104,11 @@ class ObjectStore:
             except _NOT_TRANSIENT as e:
                 raise CheckpointError(f"object storage: {what} {self.where(name)} failed: {_reason(e)}") from None
             except Exception as e:  # fsspec and botocore raise many types for a transient failure
+                if type(e).__name__ in _NOT_TRANSIENT_NAMES:
+                    raise CheckpointError(
+                        f"object storage: {what} {self.where(name)} failed: {_reason(e)} (check the credentials: "
+                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)"
+                    ) from None
                 if attempt == RETRIES:
                     raise CheckpointError(
                         f"object storage: {what} {self.where(name)} failed after {RETRIES} tries: {_reason(e)} "
