@@ -35,3 +35,16 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 def names(folder: Path) -> list[str]:
     """The checkpoint folder's entries, without kiln's hidden lock file."""
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+class StepCounter:
+    """The smallest stateful object a CheckpointManager saves beside a model: a step number."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]

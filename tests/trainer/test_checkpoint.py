@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import train as train_entry
 from kiln_base.config import Checkpoint, parse_args
 from models import LLAMA3_FLAVORS, ModelArgs
-from tests.helpers.checkpoints import SMALL, TINY, names, snapshot, train_tiny
+from tests.helpers.checkpoints import SMALL, TINY, StepCounter, names, snapshot, train_tiny
 from tests.helpers.hostile import reseal
 from tests.helpers.kiln_process import CKPT_DRIVER, run_kiln
 from trainer.checkpoint.manager import CheckpointManager, complete_steps, read_metadata
@@ -197,16 +197,6 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
     args = ModelArgs(**{**SMALL.__dict__, "vocab_size": 256, "max_seq_len": 16})
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
 
-    class Step:
-        def __init__(self) -> None:
-            self.step = 0
-
-        def state_dict(self) -> dict[str, int]:
-            return {"step": self.step}
-
-        def load_state_dict(self, sd: dict[str, int]) -> None:
-            self.step = sd["step"]
-
     def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         with torch.device("meta"):
             model = Transformer(args)
@@ -234,7 +224,7 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         model, opt = build(seed=0)
         assert type(model.layers["0"].attention.wq.weight._local_tensor) is WeightWithDynamicFloat8CastTensor
         cfg = Checkpoint(enable_checkpoint=True, interval=1)
-        counter = Step()
+        counter = StepCounter()
         saver = CheckpointManager(cfg, str(tmp_path), {"model": model, "optimizer": opt, "train_state": counter})
         train_step(model, opt)
         counter.step = 1
@@ -252,7 +242,7 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         expected = train_step(model, opt)
 
         model2, opt2 = build(seed=1)  # different init: everything must come from the checkpoint
-        state = Step()
+        state = StepCounter()
         loader = CheckpointManager(cfg, str(tmp_path), {"model": model2, "optimizer": opt2, "train_state": state})
         assert loader.load() == 1 and state.step == 1
         assert type(model2.layers["0"].attention.wq.weight._local_tensor) is WeightWithDynamicFloat8CastTensor

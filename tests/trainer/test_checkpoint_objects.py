@@ -11,6 +11,7 @@ import torch
 
 from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
+from tests.helpers.checkpoints import StepCounter
 from tests.helpers.s3_server import S3Server
 from trainer.checkpoint import objects
 from trainer.checkpoint.manager import CheckpointManager
@@ -103,19 +104,8 @@ def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(s3: S3S
     assert s3.keys("run/ckpt") == ["step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json", "step-6/.metadata"]
 
 
-class _Step:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = state["step"]
-
-
-def _manager(url: str) -> tuple[CheckpointManager, torch.nn.Linear, _Step]:
-    model, counter = torch.nn.Linear(8, 8, bias=False), _Step()
+def _manager(url: str) -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
+    model, counter = torch.nn.Linear(8, 8, bias=False), StepCounter()
     cfg = Checkpoint(enable_checkpoint=True, interval=1)
     return CheckpointManager(cfg, url, {"model": model, "train_state": counter}), model, counter
 
