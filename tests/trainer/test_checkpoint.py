@@ -253,17 +253,6 @@ def test_float8_fsdp_all_gather_weights_saved_plain_and_resume(tmp_path: Path) -
         dist.destroy_process_group()
 
 
-class _StepCounter:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = state["step"]
-
-
 def _damage(step: Path, how: str) -> None:
     if how == "no_metadata":  # e.g. a partial copy: the shards are there, DCP's index is not
         (step / ".metadata").unlink()
@@ -283,8 +272,8 @@ def test_incomplete_newest_checkpoint_is_never_latest(
     passed-over folder, and kiln leaves it as it is (it may be a user's partial copy: never deleted or renamed)."""
     caplog.set_level(logging.WARNING, logger="kiln")
 
-    def manager() -> tuple[CheckpointManager, torch.nn.Linear, _StepCounter]:
-        model, counter = torch.nn.Linear(16, 16, bias=False), _StepCounter()
+    def manager() -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
+        model, counter = torch.nn.Linear(16, 16, bias=False), StepCounter()
         cfg = Checkpoint(enable_checkpoint=True, interval=1)
         return CheckpointManager(cfg, str(tmp_path), {"model": model, "train_state": counter}), model, counter
 
