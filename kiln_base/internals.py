@@ -792,6 +792,27 @@ def forward_only_schedule(schedule: Any) -> None:
     }
 
 
+def after_pipeline_metadata_inference(stage: Any, fn: Any) -> None:
+    """Call `fn()` on this rank once torch's schedule has run `stage`'s metadata inference: at its first step, before
+    the micro-batches, the schedule runs the stage's forward (and backward) on placeholder inputs to learn the shapes
+    (torch 2.13: real tensors, so a module's buffers that count what passes, such as an MoE layer's tokens per
+    expert, count the placeholders too). torch 2.13 ends it with `PipelineStage._post_metadata_inference_cleanup`
+    on every stage of the rank, wrapped here (per stage object); where that method is missing (older torch, whose
+    `_shape_inference` ran the same forward), `_shape_inference` is. Checked on torch 2.13.0 (gloo); unchecked on
+    2.11."""
+    name = "_post_metadata_inference_cleanup"
+    if not hasattr(stage, name):
+        name = "_shape_inference"
+    original = getattr(stage, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        fn()
+        return out
+
+    setattr(stage, name, wrapped)
+
+
 def bound_pipeline_waits(group: dist.ProcessGroup) -> None:
     """Make torch's pipeline schedules wait for each send and receive at most `group`'s collective timeout (read at
     each wait: kiln lengthens it for steps that may compile). On gloo a send's or receive's `Work.wait()` without a

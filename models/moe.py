@@ -223,6 +223,13 @@ class MoE(nn.Module):
             self.tokens_per_expert.zero_()
 
 
+def reset_moe_counts(model: nn.Module) -> None:
+    """Zero the tokens-per-expert counts of every MoE layer in `model`."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.reset_counts()
+
+
 def expert_bias_step(counts: torch.Tensor, coeff: float) -> torch.Tensor:
     """The auxiliary-loss-free balancing step of DeepSeek-V3 (as torchtitan applies it): each expert's bias moves
     by `coeff` towards balance, up when it got fewer tokens than the mean, down when more (sign(mean - count)),

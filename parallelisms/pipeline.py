@@ -43,7 +43,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from torch.distributed.tensor import DTensor
 
 from kiln_base.config import PipelinePlan
-from kiln_base.internals import bound_pipeline_waits, forward_only_schedule
+from kiln_base.internals import after_pipeline_metadata_inference, bound_pipeline_waits, forward_only_schedule
+from models.moe import reset_moe_counts
 
 if TYPE_CHECKING:
     from models import Transformer
@@ -128,6 +129,9 @@ class Pipeline:
             PipelineStage(p, i, n, self.device, group=self.group)
             for p, i in zip(self.parts, self.stage_ids, strict=True)
         ]
+        for stage, part in zip(stages, self.parts, strict=True):
+            # The first step's metadata inference routes placeholder tokens: they must not count for the bias.
+            after_pipeline_metadata_inference(stage, lambda part=part: reset_moe_counts(part))
         cls = get_schedule_class(self.plan.schedule)
         looped = issubclass(cls, PipelineScheduleMulti)
         schedule = cls(stages if looped else stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)

@@ -669,6 +669,27 @@ def test_compile_transparent_dispatch_mode_sees_compiled_graph_ops() -> None:
 # ----------------------------------------------------------------------------- pipeline parallelism
 
 
+def test_after_pipeline_metadata_inference_runs_before_the_micro_batches(world1: None) -> None:
+    """torch's first schedule step runs the stage's forward once more than its micro-batches (the metadata
+    inference); the callback runs after that forward and before theirs, and only at the first step."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    class Counting(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return super().forward(x)
+
+    module = Counting(4, 4)
+    module.calls = 0
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+    seen: list[int] = []
+    internals.after_pipeline_metadata_inference(stage, lambda: seen.append(module.calls))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.sum())
+    for _ in range(2):
+        schedule.step(torch.ones(4, 4), target=torch.ones(4, 4))
+    assert seen == [1] and module.calls == 5  # 1 placeholder forward, then 2 micro-batches a step
+
+
 def _v_schedule_on_gloo() -> str:
     """On each of 2 gloo ranks: one ZBVZeroBubble step over 4 Linear stages (rank r holds stages r and 3 - r)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble

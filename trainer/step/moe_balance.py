@@ -17,9 +17,10 @@ summed counts (1.0 is perfect balance, E / top_k the worst: every token on the s
 parallelism the largest over every stage's layers.
 
 The counts are reset at the start of every step (dropping those of validation and evaluation forwards and of a
-step not applied) and after each update. Eager activation checkpointing replays a checkpointed layer's count in
-the recompute (models/moe.py), doubling that layer's counts on every rank alike: neither its bias step
-(sign(mean - count)) nor its max/mean changes with the scale, so nothing here does.
+step not applied), after each update, and under pipeline parallelism after the first step's metadata inference
+(torch's forward of placeholder inputs: parallelisms/pipeline.py). Eager activation checkpointing replays a
+checkpointed layer's count in the recompute (models/moe.py), doubling that layer's counts on every rank alike:
+neither its bias step (sign(mean - count)) nor its max/mean changes with the scale, so nothing here does.
 
 Costs: one all-reduce of [layers, E] float32 counts per step (none on a single rank), one scalar all-reduce over
 the pipeline under pipeline parallelism; no host sync. Under training.skip_nonfinite_steps a skipped step still
