@@ -1,7 +1,11 @@
 """Expert parallelism: each MoE layer's routed experts split over `ep` ranks, the tokens sent to their experts' ranks.
 
 The ranks are borrowed from the data-parallel shard ranks (torchtitan's dp2ep): dp_shard = efsdp x ep, ep innermost
-(consecutive ranks, one node's links). Every rank routes its own tokens as on one rank (models/moe.py: the pairs
+(consecutive ranks, one node's links). With context parallelism, whose ranks join FSDP's shard group, they are
+borrowed from dp_shard x cp, torchtitan's rule: an EP group is ep / cp shard ranks with all their CP ranks (ep a
+multiple of cp), each CP rank routing and sending its own part of the sequences; efsdp = dp_shard x cp / ep. Under
+pipeline parallelism each stage's MoE layers dispatch over the EP groups of that stage's ranks (the mesh's pp
+dimension stays outside). Every rank routes its own tokens as on one rank (models/moe.py: the pairs
 sorted by expert, `counts` [E] of them per expert); the `E / ep` experts `r * E/ep ..` live on EP rank r. The
 routed experts' call (x sorted by expert, counts) -> rows in the same order becomes, on each rank:
 
@@ -23,10 +27,10 @@ Weights: each expert weight [E, ...] is a DTensor sharded on dim 0 (the experts)
 checkpoint holds the whole [E, ...] tensor under the same name in every layout (DCP reads the placements);
 fully_shard then shards it again over `efsdp` (parallelize.apply_fsdp). An expert's gradient sums the tokens of all
 `ep` ranks; it is divided by `ep` in the backward (mean_over_ep), and FSDP's average over the experts' group
-(efsdp, and dp_replicate) makes it the mean over every data-parallel rank, as a dense weight's is.
+(efsdp, and dp_replicate) makes it the mean over every data-parallel (and CP) rank, as a dense weight's is.
 
-Not composed yet (refused in kiln_base/config/checks.py): tensor, context and pipeline parallelism and
-torch.compile (the split sizes are a host sync, a graph break under fullgraph).
+Not composed yet (refused in kiln_base/config/checks.py): tensor parallelism and torch.compile (the split sizes
+are a host sync, a graph break under fullgraph).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class ParallelDims:
         """Degrees given by hand (dp_shard -1: the rest of the world size), checked to multiply to it; `ep` must
         divide the resolved dp_shard (the plan checks it for a config)."""
         dp_shard = resolve_dp_shard(dp_replicate, dp_shard, tp, world_size, cp=cp, pp=pp)
-        assert dp_shard % ep == 0, f"expert_parallel_degree {ep} must divide dp_shard {dp_shard}"
+        assert ep % cp == 0 or ep == 1, f"expert_parallel_degree {ep} must be a multiple of cp {cp}"
+        assert dp_shard % max(ep // cp, 1) == 0, f"expert_parallel_degree {ep} must divide dp_shard {dp_shard} x {cp}"
         return cls(Degrees(pp, dp_replicate, dp_shard, cp, tp, ep))
 
     @property
@@ -124,9 +125,14 @@ class ParallelDims:
         if self.cp_enabled:  # without CP they would equal dp_shard and dp: no extra process groups then
             self._flat["dp_shard_cp"] = flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
             self._flat["dp_cp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
-        if self.ep_enabled:  # the same ranks as dp_shard, EP innermost: an EP group is consecutive ranks
-            sizes = (self.degrees.efsdp, self.ep)
-            self._experts = unflatten_mesh(mesh, "dp_shard", sizes, ("efsdp", "ep"))
+        if self.ep_enabled:  # the same ranks as dp_shard x cp, EP innermost: an EP group is consecutive ranks
+            if not self.cp_enabled:
+                self._experts = unflatten_mesh(mesh, "dp_shard", (self.degrees.efsdp, self.ep), ("efsdp", "ep"))
+            else:  # torchtitan's rule: an EP group is ep / cp shard ranks with all their CP ranks
+                sizes = (self.degrees.efsdp, self.ep // self.cp)
+                experts = unflatten_mesh(mesh, "dp_shard", sizes, ("efsdp", "dp_shard_in_ep"))
+                self._flat["ep"] = flatten_mesh(experts["dp_shard_in_ep", "cp"], "ep")
+                self._experts = experts
         self._mesh = mesh
         return mesh
 
@@ -156,14 +162,15 @@ class ParallelDims:
 
     @property
     def ep_mesh(self) -> DeviceMesh:
-        """The ranks one MoE layer's routed experts are split over (consecutive dp_shard ranks)."""
+        """The ranks one MoE layer's routed experts are split over (consecutive dp_shard ranks; with context
+        parallelism ep / cp of them with all their CP ranks)."""
         assert self._experts is not None, "build_mesh() with expert parallelism first"
-        return self._experts["ep"]
+        return self._flat["ep"] if self.cp_enabled else self._experts["ep"]
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
-        """What fully_shard shards an expert-parallel rank's experts over: the dp_shard ranks holding the same
-        experts (efsdp = dp_shard / ep), as (dp_replicate, efsdp) for HSDP."""
+        """What fully_shard shards an expert-parallel rank's experts over: the dp_shard (x cp) ranks holding the
+        same experts (efsdp = dp_shard x cp / ep), as (dp_replicate, efsdp) for HSDP."""
         assert self._experts is not None, "build_mesh() with expert parallelism first"
         return self._experts["dp_replicate", "efsdp"] if self.dp_replicate_enabled else self._experts["efsdp"]
 

@@ -411,16 +411,12 @@ def _check_expert_parallel_flags(cfg: JobConfig) -> None:
     ep = p.expert_parallel_degree
     if ep == 1:
         return
-    for key, degree in (
-        ("tensor_parallel_degree", p.tensor_parallel_degree),
-        ("context_parallel_degree", p.context_parallel_degree),
-        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
-    ):
-        _check(
-            degree == 1,
-            f"parallelism.expert_parallel_degree {ep} with {key} {degree}: kiln's expert parallelism does not compose "
-            f"with that yet; set one of them to 1",
-        )
+    tp = p.tensor_parallel_degree
+    _check(
+        tp == 1,
+        f"parallelism.expert_parallel_degree {ep} with tensor_parallel_degree {tp}: kiln's expert parallelism does "
+        "not compose with tensor parallelism yet (it does with pipeline and context parallelism); set one of them to 1",
+    )
     _check(
         not cfg.training.compile,
         f"parallelism.expert_parallel_degree {ep} with training.compile: the all-to-all's split sizes are a host "

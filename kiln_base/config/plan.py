@@ -89,21 +89,28 @@ class Degrees:
     dp_shard: int  # resolved: never -1
     cp: int
     tp: int
-    ep: int = 1  # expert parallel: borrowed from dp_shard (dp_shard = efsdp x ep), not a factor of the world size
+    ep: int = 1  # expert parallel: borrowed from dp_shard x cp (= efsdp x ep), not a factor of the world size
 
     @classmethod
     def of(cls, p: Parallelism, world_size: int) -> Degrees:
         """The degrees for `world_size` ranks (data_parallel_shard_degree -1: the rest), checked to multiply to it;
-        expert_parallel_degree must divide the shard degree it borrows its ranks from."""
+        expert_parallel_degree must divide the shard ranks it borrows from (dp_shard, and the CP ranks: every CP
+        rank of a shard rank joins its EP group, torchtitan's rule, so ep is a multiple of cp)."""
         tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
         dp_shard = resolve_dp_shard(
             p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp=cp, pp=pp
         )
         ep = p.expert_parallel_degree
-        if dp_shard % ep:
+        if ep > 1 and ep % cp:
             raise ConfigError(
-                f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree ({dp_shard}): "
-                "expert-parallel ranks are borrowed from the data-parallel shard ranks"
+                f"parallelism.expert_parallel_degree ({ep}) must be a multiple of context_parallel_degree ({cp}): "
+                "an expert-parallel group holds whole context-parallel groups"
+            )
+        if ep > 1 and dp_shard % (ep // cp):
+            cp_part = f" x context_parallel_degree ({cp})" if cp > 1 else ""
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree ({dp_shard})"
+                f"{cp_part}: expert-parallel ranks are borrowed from the data-parallel shard ranks"
             )
         return cls(pp, p.data_parallel_replicate_degree, dp_shard, cp, tp, ep)
 
@@ -123,8 +130,8 @@ class Degrees:
 
     @property
     def efsdp(self) -> int:
-        """The ranks that FSDP shards each expert-parallel rank's experts over: dp_shard / ep."""
-        return self.dp_shard // self.ep
+        """The ranks that FSDP shards each expert-parallel rank's experts over: dp_shard x cp / ep."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def param_shards(self) -> int:
@@ -592,9 +599,9 @@ def training_bytes(shape: ModelShape, shards: int, plan: PipelinePlan | None = N
     """Bytes one rank holds for weights, gradients and AdamW state with the model split over `shards` ranks (FSDP
     shard degree x TP degree; replicas each hold their own copy); under pipeline parallelism (`plan`) the stages of
     the pipeline rank holding the most. An MoE's routed experts count the same under expert parallelism: each EP
-    rank holds E / ep of them and FSDP splits those over efsdp = dp_shard / ep, so they too are split over
-    ep x efsdp = dp_shard ranks (EP composes with neither TP nor CP; tests/trainer/test_dry_run_moe.py holds
-    this against a built model's shards)."""
+    rank holds E / ep of them and FSDP splits those over efsdp = dp_shard x cp / ep, so they too are split over
+    ep x efsdp = dp_shard x cp ranks, as the other weights are (under PP within each stage's ranks; EP does not
+    compose with TP; tests/trainer/test_dry_run_moe.py holds this against a built model's shards)."""
     params = model_params(shape)
     if plan is not None:
         params = max(pipeline_rank_params(shape, plan, r) for r in range(plan.degree))

@@ -425,7 +425,8 @@ class Parallelism:
     expert_parallel_degree: int = _f(
         1,
         "Expert parallelism (MoE models): each MoE layer's routed experts are split over this many ranks, borrowed "
-        "from the data-parallel shard ranks (it must divide data_parallel_shard_degree and the number of experts), "
+        "from the data-parallel shard ranks (it must divide data_parallel_shard_degree and the number of experts; "
+        "with context parallelism it is a multiple of context_parallel_degree and divides dp_shard x cp), "
         "and tokens travel to their experts' ranks by all-to-all. 1 = off.",
         valid=AT_LEAST_1,
     )

@@ -446,7 +446,8 @@ ROWS_LIST: tuple[Key, ...] = (
     honour(
         "parallelism.expert_parallel_degree",
         V02,
-        "ranks borrowed from the data-parallel shard ranks; not yet with TP, CP, PP or compile (docs/moe.md)",
+        "ranks borrowed from the data-parallel shard ranks (and the CP ranks, as torchtitan does); with PP and CP, "
+        "not yet with TP or compile (docs/moe.md)",
     ),
     honour("parallelism.expert_tensor_parallel_degree", V02, "1 only: no tensor parallelism inside the experts"),
     ignore_if(

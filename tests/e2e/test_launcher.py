@@ -118,6 +118,18 @@ MISTAKES = [
         True,
     ),
     (
+        "ep_cp_multiple",
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "3"],
+        "parallelism.expert_parallel_degree (3) must be a multiple of context_parallel_degree (2)",
+        True,
+    ),
+    (
+        "ep_cp_shard",
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
+        "parallelism.expert_parallel_degree (4) must divide data_parallel_shard_degree (1) x context_parallel_degree",
+        True,
+    ),
+    (
         "ep_dense",
         ["--parallelism.expert_parallel_degree", "2"],
         "parallelism.expert_parallel_degree 2: model.flavor debugmodel is dense (no experts to split)",
@@ -206,6 +218,14 @@ SINGLE_RANK = {
     ),
     "cp_degree": (["--parallelism.context_parallel_degree", "4"], "= 4 does not divide the world size 1"),
     "ep_dense": (["--parallelism.expert_parallel_degree", "2"], "(2) must divide data_parallel_shard_degree (1)"),
+    "ep_cp_multiple": (
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "3"],
+        "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
+    ),
+    "ep_cp_shard": (
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"],
+        "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",
+    ),
     "cp_block_causal": (
         ["--parallelism.context_parallel_degree", "2", "--model.flavor", "debugmodel_flex_attn"],
         "context_parallel_degree x tensor_parallel_degree = 2 does not divide the world size 1",

@@ -378,8 +378,8 @@ def _check(world: int, model: ModelArgs = ARGS, **parallelism: Any) -> None:
         (6, dict(expert_parallel_degree=3), r"expert_parallel_degree \(3\) must divide the model's 4 experts"),
         (4, dict(expert_tensor_parallel_degree=2), "expert_tensor_parallel_degree 2: kiln has no tensor parallel"),
         (4, dict(expert_parallel_degree=2, tensor_parallel_degree=2), "with tensor_parallel_degree 2"),
-        (4, dict(expert_parallel_degree=2, context_parallel_degree=2), "with context_parallel_degree 2"),
-        (4, dict(expert_parallel_degree=2, pipeline_parallel_degree=2), "with pipeline_parallel_degree 2"),
+        (4, dict(expert_parallel_degree=2, context_parallel_degree=4), r"\(2\) must be a multiple of context_para"),
+        (6, dict(expert_parallel_degree=4, context_parallel_degree=2), r"\(4\) must divide .*\(3\) x context_para"),
         (4, dict(expert_parallel_degree=2, compile=True), "expert_parallel_degree 2 with training.compile"),
         (4, dict(expert_parallel_degree=4, data_parallel_replicate_degree=2), r"\(4\) must divide .*degree \(2\)"),
     ],
@@ -400,3 +400,13 @@ def test_ep_plan_borrows_from_dp_shard() -> None:
     dims = ParallelDims.for_world(2, -1, 1, 8, ep=2)
     degrees = dims.degrees
     assert (degrees.dp_shard, degrees.ep, degrees.efsdp, degrees.world_size, dims.dp_degree) == (4, 2, 2, 8, 8)
+
+
+def test_ep_composes_with_pipeline_and_context_parallel() -> None:
+    """Accepted (run: tests/e2e/test_expert_parallel_composed.py): EP inside each pipeline stage's shard ranks, and
+    EP over dp_shard x cp (an EP group holds whole CP groups, torchtitan's rule)."""
+    _check(4, expert_parallel_degree=2, pipeline_parallel_degree=2)
+    _check(4, expert_parallel_degree=2, context_parallel_degree=2)
+    _check(2, expert_parallel_degree=2, context_parallel_degree=2)  # dp_shard 1: the EP group is the CP pair
+    degrees = ParallelDims.for_world(1, -1, 1, 8, cp=2, ep=4).degrees  # dp_shard 4 x cp 2 = efsdp 2 x ep 4
+    assert (degrees.dp_shard, degrees.cp, degrees.ep, degrees.efsdp) == (4, 2, 4, 2)

@@ -308,7 +308,8 @@ def _held(params: list[nn.Parameter]) -> tuple[int, int]:
 def _expert_lines(model: nn.Module, degrees: Degrees) -> list[str]:
     """Where an MoE's routed experts live and what this (simulated) rank holds of them and of the other weights,
     read from the built model's shards: with expert parallelism each EP rank holds E / ep experts of every layer and
-    FSDP splits those over efsdp = dp_shard / ep, the other weights over dp_shard; both over dp_shard ranks in all."""
+    FSDP splits those over efsdp = dp_shard x cp / ep, the other weights over dp_shard x cp; both over dp_shard x cp
+    ranks in all (under pipeline parallelism within each stage's ranks)."""
     layers = moe_layers(model)
     if not layers:
         return []
@@ -320,15 +321,18 @@ def _expert_lines(model: nn.Module, degrees: Degrees) -> list[str]:
     n = layers[0].experts.num_experts
     local = tuple((w1.to_local() if hasattr(w1, "to_local") else w1).shape)
     if degrees.ep > 1:
+        shard_ranks = f"dp_shard {degrees.dp_shard}" + (f" x cp {degrees.cp}" if degrees.cp > 1 else "")
         where = (
-            f"expert parallel: dp_shard {degrees.dp_shard} = efsdp {degrees.efsdp} x ep {degrees.ep}; each EP rank "
+            f"expert parallel: {shard_ranks} = efsdp {degrees.efsdp} x ep {degrees.ep}; each EP rank "
             f"holds {n // degrees.ep} of every MoE layer's {n} experts, FSDP-sharded over efsdp {degrees.efsdp}"
         )
     else:
         where = f"experts: {n} per MoE layer, FSDP-sharded with the other weights over {degrees.fsdp_shards} ranks"
+    # The dry run builds every pipeline stage: a rank's share of each, summed (a pp rank holds its stages' part).
+    who = "" if degrees.pp == 1 else f" (a share of each of the pp {degrees.pp} stages, summed)"
     return [
         f"{where} (a rank's w1: {list(local)} of {list(w1.shape)})",
-        f"  parameters a rank holds: {held:,} of the experts' {whole:,} (1/{whole / max(held, 1):.4g}) + "
+        f"  parameters a rank holds{who}: {held:,} of the experts' {whole:,} (1/{whole / max(held, 1):.4g}) + "
         f"{rest_held:,} of the other weights' {rest_whole:,} (1/{rest_whole / max(rest_held, 1):.4g}) = "
         f"{held + rest_held:,}",
     ]
