@@ -29,7 +29,7 @@ class ParallelDims:
         cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1, pp: int = 1, ep: int = 1
     ) -> ParallelDims:
         """Degrees given by hand (dp_shard -1: the rest of the world size), checked to multiply to it; `ep` must
-        divide the resolved dp_shard (the plan checks it for a config)."""
+        divide the resolved dp_shard x cp, as a multiple of cp (the plan checks it for a config)."""
         dp_shard = resolve_dp_shard(dp_replicate, dp_shard, tp, world_size, cp=cp, pp=pp)
         assert ep % cp == 0 or ep == 1, f"expert_parallel_degree {ep} must be a multiple of cp {cp}"
         assert dp_shard % max(ep // cp, 1) == 0, f"expert_parallel_degree {ep} must divide dp_shard {dp_shard} x {cp}"
