@@ -13,9 +13,10 @@ what it is for: damage, not an attacker (who could rewrite kiln.json as well).
 
 Loading: verify() checks the files of the checkpoint about to be loaded against kiln.json before any record is
 read, each rank a share of them (file i on rank i mod world), and every rank raises the first mismatch: one line
-naming the file. From object storage each rank checks the files it downloaded whole (`only`), and the byte ranges it
-fetched of others' files are checked against those files' checked copies (objects.check_ranges). The checks cover the whole checkpoint, not only what its record lists: every file a load reads
-(`.metadata` and each `.distcp`) must have a checksum (an entry deleted, or an emptied map, beside a damaged file is
+naming the file. From object storage each rank checks the files it downloaded whole (`only`), and the byte ranges
+it fetched of others' files are checked against those files' checked copies (objects.check_ranges). The checks
+cover the whole checkpoint, not only what its record lists: every file a load reads (`.metadata` and each
+`.distcp`) must have a checksum (an entry deleted, or an emptied map, beside a damaged file is
 refused), and a kiln.json that exists but cannot be read (cut in half, not JSON, its checksums not a map) is damage,
 refused naming it. Only a checkpoint with no kiln.json, or one whose kiln.json records no checksums at all (saved by
 an older kiln, torchtitan, or converted), loads, with one line saying it is unverified.

@@ -738,7 +738,9 @@ def iter_hf_as_kiln(
         if lacking:
             raise ConfigError(f"{folder}: no weight for expert {lacking[0]} of kiln's '{kiln}'")
     for layer in range(args.n_layers if args.moe else 0):  # kiln's balancing state, which HF has none of
-        yield f"layers.{layer}.{EXPERT_BIAS}", torch.zeros(args.moe_num_experts)
+        key = f"layers.{layer}.{EXPERT_BIAS}"
+        box = part(key) if part is not None else None
+        yield key, torch.zeros(args.moe_num_experts if box is None else box[1][0])
 
 
 def save_hf_weights(

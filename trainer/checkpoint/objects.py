@@ -15,10 +15,11 @@ Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metada
   (until then the rest is a killed save, removed at the next start).
 - Loading downloads a step's `.metadata` and kiln.json into a local folder (plain names only, so a key cannot name a
   place outside the download), checks the index against the listed sizes of the `.distcp` objects, and, for the
-  step chosen, downloads only the `.distcp` files this rank's DCP load plan reads (read once: N ranks fetch about
-  one checkpoint in all, not N). The copy is read exactly as a local checkpoint: the checksums (whole-file) are
-  checked on every file this rank downloaded, `.metadata` through the restricted unpickler, each record inside the
-  folder (trainer/checkpoint/reader.py).
+  step chosen, fetches only the bytes this rank's DCP load plan reads (read once: N ranks fetch about one
+  checkpoint in all, not N): each `.distcp` whole on one rank, which checks its whole-file checksum, and the other
+  ranks' ranges of it checked against that copy (fetch_planned, check_ranges). The copy is read exactly as a local
+  checkpoint: `.metadata` through the restricted unpickler, each record inside the folder
+  (trainer/checkpoint/reader.py).
 - One job per URL: rank 0 creates `.kiln.lock` with a conditional put (If-None-Match: *), which the store refuses
   when the object exists, so two jobs cannot both take it; the run deletes it when it ends. A run killed without
   its end (SIGKILL, a lost node) leaves it: the next run refuses, naming the holder and the object to delete.
@@ -363,25 +364,28 @@ def check_ranges(local: str, whole: set[str], fetched: list[tuple[str, int, int,
     mismatch (a damaged or changed object) is one CheckpointError naming the file, on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    world = dist.get_world_size()
-    asked: list[Any] = [None] * world
+    asked: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(asked, fetched)
-    error = None
-    for items in asked:
-        for file, offset, length, crc in items:
-            if file in whole and error is None:
-                with open(os.path.join(local, file), "rb") as f:
-                    f.seek(offset)
-                    if zlib.crc32(f.read(length)) != crc:
-                        error = (
-                            f"checkpoint file {where}/{file} is damaged: bytes {offset:,}-{offset + length:,} read by "
-                            "one rank differ from the same bytes in the copy another rank checked against kiln.json's "
-                            "checksum; not loaded: copy the checkpoint again from a good copy, or resume from another "
-                            "checkpoint (checkpoint.load_step)"
-                        )
-    error = agree(error)
+    error = agree(range_mismatch(local, whole, [item for items in asked for item in items], where))
     if error is not None:
         raise CheckpointError(error)
+
+
+def range_mismatch(local: str, whole: set[str], asked: list[tuple[str, int, int, int]], where: str) -> str | None:
+    """The first of the ranges `asked` (file, offset, length, CRC-32) of a file this rank has whole whose bytes in
+    that copy have another CRC-32, as the error line; None when all match."""
+    for file, offset, length, crc in asked:
+        if file in whole:
+            with open(os.path.join(local, file), "rb") as f:
+                f.seek(offset)
+                if zlib.crc32(f.read(length)) != crc:
+                    return (
+                        f"checkpoint file {where}/{file} is damaged: bytes {offset:,}-{offset + length:,} one rank "
+                        "fetched differ from the same bytes of the copy another rank checked against kiln.json's "
+                        "checksum; not loaded: copy the checkpoint again from a good copy, or resume from another "
+                        "checkpoint (checkpoint.load_step)"
+                    )
+    return None
 
 
 class ObjectLock:
