@@ -70,3 +70,19 @@ def test_a_range_one_rank_fetched_is_checked_against_the_owners_copy(tmp_path: P
     assert range_mismatch(str(tmp_path), set(), [bad], "s3://b/step-1") is None
     error = range_mismatch(str(tmp_path), {"__1_0.distcp"}, [good, bad], "s3://b/step-1")
     assert error is not None and error.startswith("checkpoint file s3://b/step-1/__1_0.distcp is damaged: bytes 10-60")
+
+
+def test_a_nan_in_the_part_a_rank_reads_is_refused(tmp_path: Path) -> None:
+    """The finiteness check runs on what was read (each rank its box; every rank raises the first refusal)."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln_base.errors import CheckpointError
+    from trainer.checkpoint.initial_load import load_initial, open_source
+
+    read_once.write_hf(str(tmp_path), ARGS)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    source = open_source(str(tmp_path))
+    with pytest.raises(CheckpointError, match="'norm.weight' holds NaN or infinite values"):
+        load_initial(source, read_once.Transformer(source.args))
