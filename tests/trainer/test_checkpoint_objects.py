@@ -38,11 +38,11 @@ class _Flaky:
     def __init__(self, failures: int, error: Exception) -> None:
         self.failures, self.error, self.calls = failures, error, 0
 
-    def find(self, root: str, detail: bool = False) -> list[str]:
+    def find(self, root: str, detail: bool = False) -> dict[str, dict[str, Any]]:
         self.calls += 1
         if self.calls <= self.failures:
             raise self.error
-        return [f"{root}/step-2/kiln.json"]
+        return {f"{root}/step-2/kiln.json": {"size": 12}}
 
 
 def _store(s3: S3Server, fs: Any, waits: list[float]) -> ObjectStore:
@@ -54,7 +54,7 @@ def _store(s3: S3Server, fs: Any, waits: list[float]) -> ObjectStore:
 def test_a_transient_failure_is_retried_with_doubling_waits(s3: S3Server) -> None:
     waits: list[float] = []
     fs = _Flaky(2, ConnectionResetError("connection reset by peer"))
-    assert _store(s3, fs, waits).listing() == {"step-2": {"kiln.json"}}
+    assert _store(s3, fs, waits).listing() == {"step-2": {"kiln.json": 12}}
     assert fs.calls == 3 and waits == [1.0, 2.0]
 
 

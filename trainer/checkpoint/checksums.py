@@ -13,8 +13,10 @@ what it is for: damage, not an attacker (who could rewrite kiln.json as well).
 
 Loading: verify() checks the files of the checkpoint about to be loaded against kiln.json before any record is
 read, each rank a share of them (file i on rank i mod world), and every rank raises the first mismatch: one line
-naming the file. The checks cover the whole checkpoint, not only what its record lists: every file a load reads
-(`.metadata` and each `.distcp`) must have a checksum (an entry deleted, or an emptied map, beside a damaged file is
+naming the file. From object storage each rank checks the files it downloaded whole (`only`), and the byte ranges
+it fetched of others' files are checked against those files' checked copies (objects.check_ranges). The checks
+cover the whole checkpoint, not only what its record lists: every file a load reads (`.metadata` and each
+`.distcp`) must have a checksum (an entry deleted, or an emptied map, beside a damaged file is
 refused), and a kiln.json that exists but cannot be read (cut in half, not JSON, its checksums not a map) is damage,
 refused naming it. Only a checkpoint with no kiln.json, or one whose kiln.json records no checksums at all (saved by
 an older kiln, torchtitan, or converted), loads, with one line saying it is unverified.
@@ -26,6 +28,7 @@ import json
 import logging
 import os
 import zlib
+from collections.abc import Collection
 from typing import Any
 
 import torch.distributed as dist
@@ -109,10 +112,14 @@ def recorded_checksums(path: str) -> dict[str, Any] | None:
     return sums
 
 
-def verify(path: str) -> None:
+def verify(path: str, only: Collection[str] | None = None) -> None:
     """Check checkpoint `path`'s files against the checksums its kiln.json records, each rank its share; every rank
     raises the first mismatch (rank order), or a file a load reads that has no checksum, as a CheckpointError naming
-    the file. A checkpoint that records none: one warning, and nothing checked."""
+    the file. A checkpoint that records none: one warning, and nothing checked.
+
+    `only`: `path` is this rank's download of an object-storage step (read once): this rank checks these files of
+    it, each whole, and no others (the ranks that fetched the rest whole check those; objects.check_ranges the
+    ranges fetched of them)."""
     sums = recorded_checksums(path)
     if sums is None:
         logger.warning(f"Checkpoint {path} records no checksums (saved by an older kiln or another tool): unverified")
@@ -127,9 +134,11 @@ def verify(path: str) -> None:
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if only is not None:
+        sums = {n: want for n, want in sums.items() if n in only}
     error = None
     for i, (name, want) in enumerate(sorted(sums.items())):
-        if i % world == rank:
+        if only is not None or i % world == rank:
             error = _mismatch(path, name, want)
             if error is not None:
                 break

@@ -642,18 +642,56 @@ def _per_expert(key: str) -> tuple[str, int] | None:
 HF_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
 
 
-def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+Part = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape) of a box of a kiln weight, in kiln's layout
+
+
+def _permuted_heads(kiln: str, args: ModelArgs) -> int | None:
+    """The heads whose rows from_hf_tensor permutes, each within its head, for a 2-D weight; else None."""
+    if kiln.endswith("attention.wq.weight"):
+        return args.n_heads
+    if kiln.endswith("attention.wk.weight"):
+        return kv_heads(args)
+    return None
+
+
+def _read_part(f: Any, key: str, kiln: str, args: ModelArgs, part: Part | None) -> torch.Tensor:
+    """HF weight `key` (kiln's `kiln`) in kiln's layout: whole, or only box `part` of it, read from the file as a
+    slice (safetensors maps the file: what is not sliced is not read). A permuted q/k weight is read by whole heads
+    (its rows move only within a head): at most two heads more than the box."""
+    if part is None or kiln.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        whole = from_hf_tensor(kiln, f.get_tensor(key), args)
+        return whole if part is None else whole[tuple(slice(o, o + n) for o, n in zip(*part))].contiguous()
+    offset, shape = part
+    heads = _permuted_heads(kiln, args)
+    if heads is None:
+        return f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    hd = f.get_slice(key).get_shape()[0] // heads
+    h0, h1 = offset[0] // hd, -(-(offset[0] + shape[0]) // hd)
+    block = f.get_slice(key)[h0 * hd : h1 * hd, offset[1] : offset[1] + shape[1]]
+    block = permute_from_hf(block, h1 - h0) if h1 > h0 else block
+    return block[offset[0] - h0 * hd : offset[0] - h0 * hd + shape[0]].contiguous()
+
+
+def iter_hf_as_kiln(
+    folder: str, args: ModelArgs, part: Callable[[str], Part | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(kiln name, tensor in kiln's layout) for every weight of an HF folder, one file open at a time. Each
     weight's stored shape is checked against config.json's model before the weight is read (a file's header can
-    declare a tensor of any size; a sparse file can back it), ConfigError naming the file and weight."""
+    declare a tensor of any size; a sparse file can back it), ConfigError naming the file and weight.
+
+    `part(kiln name)`: the box of the weight to read (a rank's shard: read once, each rank only what it keeps; an
+    empty box reads nothing), or None for the whole weight; the tensor yielded is that box."""
     from safetensors import safe_open
 
     shapes = kiln_shapes(args)
     by_file: dict[str, list[str]] = {}
     for name, path in hf_weight_files(folder).items():
         by_file.setdefault(path, []).append(name)
-    # A routed expert weight arrives as E per-expert tensors, possibly across files: held until all are read.
+    # A routed expert weight arrives as E per-expert tensors, possibly across files: held until those of its box
+    # are read (the others are never read); `experts` has every one the files hold, read or not.
     pending: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, set[int]] = {}
+    yielded: set[str] = set()
     for path, names in sorted(by_file.items()):
         with _reading(path), safe_open(path, framework="pt") as f:
             for key in names:
@@ -680,19 +718,29 @@ def iter_hf_as_kiln(folder: str, args: ModelArgs) -> Iterator[tuple[str, torch.T
                         f"{path}: weight '{key}' is stored as {dtype}; a model weight must be a float "
                         f"({', '.join(HF_FLOAT_DTYPES)})"
                     )
+                box = part(kiln) if part is not None else None
                 if expert is None:
-                    yield kiln, from_hf_tensor(kiln, f.get_tensor(key), args)
+                    yield kiln, _read_part(f, key, kiln, args, box)
                     continue
+                experts.setdefault(kiln, set()).add(expert[1])
+                lo, n = (box[0][0], box[1][0]) if box is not None else (0, args.moe_num_experts)
+                inner = (box[0][1:], box[1][1:]) if box is not None else None
                 got = pending.setdefault(kiln, {})
-                got[expert[1]] = f.get_tensor(key)
-                if len(got) == args.moe_num_experts:
-                    yield kiln, torch.stack([got[i] for i in range(args.moe_num_experts)])
-                    del pending[kiln]
-    for kiln, got in sorted(pending.items()):
-        lacking = sorted(set(range(args.moe_num_experts)) - set(got))
-        raise ConfigError(f"{folder}: no weight for expert {lacking[0]} of kiln's '{kiln}'")
+                if lo <= expert[1] < lo + n:
+                    got[expert[1]] = _read_part(f, key, "", args, inner)
+                if len(got) == n and kiln not in yielded:
+                    rest = inner[1] if inner is not None else want
+                    yield kiln, torch.stack([got[i] for i in range(lo, lo + n)]) if n else torch.empty((0, *rest))
+                    yielded.add(kiln)
+                    got.clear()
+    for kiln, seen in sorted(experts.items()):
+        lacking = sorted(set(range(args.moe_num_experts)) - seen)
+        if lacking:
+            raise ConfigError(f"{folder}: no weight for expert {lacking[0]} of kiln's '{kiln}'")
     for layer in range(args.n_layers if args.moe else 0):  # kiln's balancing state, which HF has none of
-        yield f"layers.{layer}.{EXPERT_BIAS}", torch.zeros(args.moe_num_experts)
+        key = f"layers.{layer}.{EXPERT_BIAS}"
+        box = part(key) if part is not None else None
+        yield key, torch.zeros(args.moe_num_experts if box is None else box[1][0])
 
 
 def save_hf_weights(

@@ -15,18 +15,20 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from kiln_base.errors import CheckpointError, ConfigError
 from kiln_base.files import loads_json, read_bounded, url_scheme
+from kiln_base.internals import shard_offset
 from models.args import ModelArgs, stored_model_args
 from trainer.checkpoint.checksums import verify
 from trainer.checkpoint.folder import MARKER_LIMIT, agree
-from trainer.checkpoint.hf import is_hf_folder, iter_hf_as_kiln, read_hf_args
+from trainer.checkpoint.hf import is_hf_folder, iter_hf_as_kiln, kiln_shapes, read_hf_args
 from trainer.checkpoint.manager import MARKER, read_metadata, resolve_step_dir
 from trainer.checkpoint.reader import check_loaded_state
 
@@ -94,14 +96,27 @@ def _model_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: plain_tensor(v) for k, v in get_model_state_dict(model).items()}
 
 
-def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the whole tensor `full` into `target` (this rank's shard when a DTensor); no communication."""
-    full = full.to(dtype=target.dtype)
-    if isinstance(target, DTensor):
-        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+def _kept(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The box of `target`'s global weight this rank keeps, (offset, shape); None for all of it. A DTensor sharded
+    by plain Shard/Replicate placements keeps one box (kiln_base.internals.shard_offset); any other placement
+    (FSDP's strided shard under TP) reads the whole weight and keeps its shard."""
+    if not isinstance(target, DTensor) or not all(type(p) in (Shard, Replicate) for p in target.placements):
+        return None
+    shape, offset = shard_offset(target)
+    return offset, shape
+
+
+def _fill(target: torch.Tensor, part: torch.Tensor, box: Any) -> None:
+    """Copy `part` into `target`: this rank's box of it, or (box None) the whole tensor, of which a DTensor keeps
+    its shard; no communication."""
+    part = part.to(dtype=target.dtype)
+    if box is not None:
+        (target.to_local() if isinstance(target, DTensor) else target).copy_(part)
+    elif isinstance(target, DTensor):
+        local = distribute_tensor(part, target.device_mesh, target.placements, src_data_rank=None).to_local()
         target.to_local().copy_(local)
     else:
-        target.copy_(full)
+        target.copy_(part)
 
 
 @torch.no_grad()
@@ -116,26 +131,37 @@ def load_initial(
     where = f"{KEY} {source.path}"
     tied = source.args.tie_word_embeddings
     if source.kind == "hf":
-        # One tensor at a time: each rank reads the whole tensor and keeps its shard.
+        # Read once: each rank reads only the box of each weight it keeps (its shard) and none of the weights
+        # other stages hold; what each read is checked, and every rank raises the first refusal (agree).
+        error = None
         seen = set()
-        for name, full in iter_hf_as_kiln(source.path, source.args):
+        stored = kiln_shapes(source.args)
+        boxes = {k: _kept(t) for k, t in targets.items()}
+        boxes |= {k: ((0,) * len(s), (0,) * len(s)) for k, s in elsewhere.items() if k not in targets}
+        for name, part in iter_hf_as_kiln(source.path, source.args, boxes.get):
             if name == "output.weight" and tied:
                 continue  # a tied model's lm_head copy (some exports write it): HF ties it to the embedding
             target = targets.get(name)
             if target is None and name not in elsewhere:
                 raise CheckpointError(f"{where} has weight '{name}', which this model lacks")
             shape = tuple(target.shape) if target is not None else elsewhere[name]
-            if tuple(full.shape) != shape:
-                got = tuple(full.shape)
+            # A box's weight has the shape its file's header declared, checked against config.json's model.
+            got = tuple(part.shape) if boxes.get(name) is None else stored.get(name, tuple(part.shape))
+            if got != shape:
                 raise CheckpointError(f"{where}: '{name}' has shape {got} there but {shape} in this model")
-            # Whole tensors, those other stages load included: every rank checks the same and raises the same.
-            check_loaded_state({name: full}, source.path, None, 0)
-            if target is not None:
-                _fill(target, full.to(target.device))
+            try:
+                check_loaded_state({name: part}, source.path, None, 0)
+            except CheckpointError as e:
+                error = error or str(e)
+            if target is not None and error is None:
+                _fill(target, part.to(target.device), boxes[name])
             seen.add(name)
         missing = sorted((set(targets) | set(elsewhere)) - seen - ({"output.weight"} if tied else set()))
         if missing:
             raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
+        error = agree(error)
+        if error is not None:
+            raise CheckpointError(error)
     else:
         from trainer.checkpoint.manager import check_matches
         from trainer.checkpoint.reader import load

@@ -68,8 +68,10 @@ from trainer.checkpoint.folder import (
 from trainer.checkpoint.objects import (
     ObjectEntry,
     ObjectStore,
+    check_ranges,
     claim_folder,
     download_step,
+    fetch_planned,
     prepare_object_save,
     publish_object,
     purge_objects,
@@ -82,6 +84,7 @@ from trainer.checkpoint.reader import (
     IncompleteCheckpointError,
     check_loaded_state,
     load,
+    planned_ranges,
     read_metadata,
 )
 
@@ -380,17 +383,15 @@ class CheckpointManager:
             return
         if self._downloads is None:
             self._downloads = tempfile.mkdtemp(prefix="kiln-download-")
-        local = os.path.join(self._downloads, entry.name)
-        if not os.path.isdir(local):
-            download_step(entry, self._downloads)
+        local = download_step(entry, self._downloads)  # its head: .metadata and kiln.json (once)
         try:
             yield local
         except CheckpointError as e:
             raise type(e)(str(e).replace(local, entry.path)) from None
 
     def _read_metadata(self, entry: Entry) -> Metadata:
-        with self._local(entry) as local:
-            return read_metadata(local)
+        with self._local(entry) as local:  # object storage: the index against the listed objects' sizes
+            return read_metadata(local, entry.sizes if isinstance(entry, ObjectEntry) else None)
 
     # ------------------------------------------------------------------ load
 
@@ -519,7 +520,14 @@ class CheckpointManager:
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
         with self._local(entry) as local:  # object storage: the downloaded bytes are what is checked and read
-            verify(local)  # a damaged file or record: CheckpointError naming it, on every rank
+            if isinstance(entry, ObjectEntry):
+                # Read once: this rank fetches only the bytes its own load plan reads; each file whole by one rank,
+                # which checks its checksum and vouches for the ranges the others fetched of it.
+                whole, ranges = fetch_planned(entry, local, planned_ranges(sd, md))
+                verify(local, only={METADATA, *whole})  # damage: one CheckpointError, on every rank
+                check_ranges(local, whole, ranges, entry.path)
+            else:
+                verify(local)
             load(sd, local, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]

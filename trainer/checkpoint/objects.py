@@ -13,10 +13,13 @@ Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metada
 - keep_latest_k deletes only steps whose kiln.json proves kiln published them at this URL (save_seq and written_to,
   as folder.Entry.published_here), by save order: kiln.json first (the step stops counting), `.kiln-saving` last
   (until then the rest is a killed save, removed at the next start).
-- Loading downloads the chosen step's files (`.metadata`, kiln.json, the `.distcp` files; plain names only, so a key
-  cannot name a place outside the download) into a local folder and reads them exactly as a local checkpoint: the
-  checksums are checked on the downloaded bytes, `.metadata` through the restricted unpickler, each record inside
-  the folder (trainer/checkpoint/reader.py). Each rank downloads the whole step (not yet read-once).
+- Loading downloads a step's `.metadata` and kiln.json into a local folder (plain names only, so a key cannot name a
+  place outside the download), checks the index against the listed sizes of the `.distcp` objects, and, for the
+  step chosen, fetches only the bytes this rank's DCP load plan reads (read once: N ranks fetch about one
+  checkpoint in all, not N): each `.distcp` whole on one rank, which checks its whole-file checksum, and the other
+  ranks' ranges of it checked against that copy (fetch_planned, check_ranges). The copy is read exactly as a local
+  checkpoint: `.metadata` through the restricted unpickler, each record inside the folder
+  (trainer/checkpoint/reader.py).
 - One job per URL: rank 0 creates `.kiln.lock` with a conditional put (If-None-Match: *), which the store refuses
   when the object exists, so two jobs cannot both take it; the run deletes it when it ends. A run killed without
   its end (SIGKILL, a lost node) leaves it: the next run refuses, naming the holder and the object to delete.
@@ -34,7 +37,8 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -57,6 +61,7 @@ logger = logging.getLogger("kiln")
 RETRIES = 5
 BACKOFF_S = 1.0  # then 2, 4, 8 s: ~15 s of waiting before a request is given up
 METADATA = ".metadata"
+HEAD = (METADATA, MARKER)  # what a load downloads of every step it considers; the data files only of the chosen one
 # The names a step prefix may hold that kiln downloads: DCP's index, kiln.json and the ranks' data files.
 _READ = re.compile(r"^(\.metadata|kiln\.json|__\d{1,6}_\d{1,6}\.distcp)$")
 _NOT_TRANSIENT = (FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -118,16 +123,18 @@ class ObjectStore:
                 self.sleep(BACKOFF_S * 2 ** (attempt - 1))
         raise AssertionError("unreachable")
 
-    def listing(self) -> dict[str, set[str]]:
-        """Every key under the URL, as {first name: the names below it}; a top-level object maps to {""}."""
-        keys = self.retried("listing", "", lambda: self.fs.find(self.root, detail=False))
-        out: dict[str, set[str]] = {}
-        for key in keys:
+    def listing(self) -> dict[str, dict[str, int]]:
+        """Every key under the URL, as {first name: {each name below it: its size}}; a top-level object maps to
+        {"": its size}."""
+        keys = self.retried("listing", "", lambda: self.fs.find(self.root, detail=True))
+        out: dict[str, dict[str, int]] = {}
+        for key, info in keys.items():
             rel = key[len(self.root) + 1 :] if key.startswith(self.root + "/") else None
             if not rel:
                 continue
             head, _, rest = rel.partition("/")
-            out.setdefault(head, set()).add(rest)
+            size = info.get("size") if isinstance(info, dict) else None
+            out.setdefault(head, {})[rest] = size if isinstance(size, int) else -1
         return out
 
     def read(self, name: str, limit: int) -> bytes:
@@ -138,6 +145,12 @@ class ObjectStore:
         if len(data) > limit:  # a ValueError, as read_bounded's refusal: "not kiln's" to the callers
             raise FileRefused(f"{self.where(name)} is larger than the {limit:,} bytes kiln reads for it")
         return data
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the object (a ranged GET)."""
+        return self.retried(
+            "reading", name, lambda: self.fs.cat_file(self.key(name), start=offset, end=offset + length)
+        )
 
     def write(self, name: str, data: bytes) -> None:
         self.retried("writing", name, lambda: self.fs.pipe_file(self.key(name), data))
@@ -178,6 +191,7 @@ class ObjectEntry(Entry):
 
     files: frozenset[str] = frozenset()
     store: ObjectStore | None = dataclasses.field(default=None, compare=False, repr=False)
+    sizes: Mapping[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # file: bytes
 
     @property
     def has_metadata(self) -> bool:
@@ -209,9 +223,12 @@ def scan_objects(store: ObjectStore) -> list[ObjectEntry]:
     for name, below in store.listing().items():
         m = STEP_NAME.match(name)
         if m and not m.group(3):  # no `.tmp` names in object storage: a step is published in place
-            files = frozenset(n for n in below if n and "/" not in n)
+            sizes = {n: size for n, size in below.items() if n and "/" not in n}
+            files = frozenset(sizes)
             saving = SAVING in files and MARKER not in files
-            entries.append(ObjectEntry(store.where(name), int(m.group(2)), bool(m.group(1)), saving, files, store))
+            entries.append(
+                ObjectEntry(store.where(name), int(m.group(2)), bool(m.group(1)), saving, files, store, sizes)
+            )
     return sorted(entries, key=lambda e: (e.step, e.export))
 
 
@@ -295,14 +312,80 @@ def remove_killed_object_saves(store: ObjectStore) -> None:
             )
 
 
-def download_step(entry: ObjectEntry, local_root: str) -> str:
-    """Download the files kiln reads of step `entry` into `local_root/<its name>`; that folder."""
+def download_step(entry: ObjectEntry, local_root: str, names: Iterable[str] = HEAD) -> str:
+    """Download files `names` of step `entry` (by default its head: `.metadata` and kiln.json) into
+    `local_root/<its name>`, each once; that folder. Only names kiln reads (_READ), and only objects the step
+    holds: a load downloads the head first, then the data files its own load plan reads (read once)."""
     assert entry.store is not None
     local = os.path.join(local_root, entry.name)
     os.makedirs(local, exist_ok=True)
-    for name in sorted(n for n in entry.files if _READ.match(n)):
-        entry.store.download(f"{entry.name}/{name}", os.path.join(local, name))
+    for name in sorted(n for n in set(names) & entry.files if _READ.match(n)):
+        if not os.path.exists(os.path.join(local, name)):
+            entry.store.download(f"{entry.name}/{name}", os.path.join(local, name))
     return local
+
+
+def fetch_planned(
+    entry: ObjectEntry, local: str, ranges: dict[str, list[tuple[int, int]]]
+) -> tuple[set[str], list[tuple[str, int, int, int]]]:
+    """Every rank (a collective): fetch into `local` (the step's download, its head there) the bytes this rank's
+    load plan reads, `ranges` ({data file: (offset, length) ranges}, reader.planned_ranges). Each file a plan reads
+    is downloaded whole by one rank, the one whose plan reads most of it (its own shards: `__R_0.distcp` on rank R
+    when the layout is the saved one); the others fetch only their ranges, into a sparse file at their offsets, so
+    DCP reads it as the whole file. Returns (the files this rank has whole, its ranges fetched as (file, offset,
+    length, CRC-32)): check_ranges checks the latter against the former's owners."""
+    assert entry.store is not None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    wants: list[dict[str, int]] = [{f: sum(n for _, n in r) for f, r in ranges.items()}]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        wants = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(wants, {f: sum(n for _, n in r) for f, r in ranges.items()})
+    whole, fetched = set(), []
+    for file, spans in sorted(ranges.items()):
+        owner = max(range(len(wants)), key=lambda r: (wants[r].get(file, 0), -r))
+        target = os.path.join(local, file)
+        if owner == rank or len(wants) == 1:
+            download_step(entry, os.path.dirname(local), [file])
+            whole.add(file)
+            continue
+        with open(target, "wb") as out:
+            out.truncate(entry.sizes.get(file, 0))  # sparse: the bytes not fetched read as zeros, and are not read
+            for offset, length in spans:
+                data = entry.store.read_range(f"{entry.name}/{file}", offset, length)
+                out.seek(offset)
+                out.write(data)
+                fetched.append((file, offset, length, zlib.crc32(data)))
+    return whole, fetched
+
+
+def check_ranges(local: str, whole: set[str], fetched: list[tuple[str, int, int, int]], where: str) -> None:
+    """Every rank (a collective), after verify() checked the files each rank has whole: each range a rank fetched
+    of a file another has whole (fetch_planned) must have the CRC-32 of those bytes in that rank's checked copy; a
+    mismatch (a damaged or changed object) is one CheckpointError naming the file, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    asked: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(asked, fetched)
+    error = agree(range_mismatch(local, whole, [item for items in asked for item in items], where))
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def range_mismatch(local: str, whole: set[str], asked: list[tuple[str, int, int, int]], where: str) -> str | None:
+    """The first of the ranges `asked` (file, offset, length, CRC-32) of a file this rank has whole whose bytes in
+    that copy have another CRC-32, as the error line; None when all match."""
+    for file, offset, length, crc in asked:
+        if file in whole:
+            with open(os.path.join(local, file), "rb") as f:
+                f.seek(offset)
+                if zlib.crc32(f.read(length)) != crc:
+                    return (
+                        f"checkpoint file {where}/{file} is damaged: bytes {offset:,}-{offset + length:,} one rank "
+                        "fetched differ from the same bytes of the copy another rank checked against kiln.json's "
+                        "checksum; not loaded: copy the checkpoint again from a good copy, or resume from another "
+                        "checkpoint (checkpoint.load_step)"
+                    )
+    return None
 
 
 class ObjectLock:

@@ -45,6 +45,7 @@ from typing import IO, Any, BinaryIO
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -212,8 +213,10 @@ def load_metadata(path: str | os.PathLike, rank: int | None = None) -> Metadata:
     return md
 
 
-def read_metadata(path: str) -> Metadata:
-    """The DCP index of checkpoint folder `path` (load_metadata), checked against its files' sizes.
+def read_metadata(path: str, sizes: Mapping[str, int] | None = None) -> Metadata:
+    """The DCP index of checkpoint folder `path` (load_metadata), checked against its files' sizes: the files in
+    the folder, or `sizes` (object storage: the listed size of each object, whose download is `path`, holding the
+    index only until a load fetches the files its plan reads).
 
     Raises UnsafeCheckpointError for code, a record outside the folder or a transform; IncompleteCheckpointError
     for damage (a missing or short file, an unreadable index)."""
@@ -230,11 +233,12 @@ def read_metadata(path: str) -> Metadata:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for rel, need in sorted(needed.items()):
         f = os.path.join(path, rel)
-        if not os.path.isfile(f):
+        listed = sizes.get(rel) if sizes is not None else (os.path.getsize(f) if os.path.isfile(f) else None)
+        if listed is None:
             raise IncompleteCheckpointError(
                 f"checkpoint file {f} is missing or not a regular file (listed in {meta_file})"
             )
-        size = os.path.getsize(f)
+        size = listed
         if size < need:
             raise IncompleteCheckpointError(f"checkpoint file {f} is truncated: {size} bytes, its index needs {need}")
     return md
@@ -371,6 +375,29 @@ class SafeFileSystemReader(RecordCheckingReader):
             return super().read_data(plan, _PlainBytesPlanner(planner, str(self.path)))  # type: ignore[arg-type]
         except pickle.UnpicklingError as e:  # a tensor record (DCP loads those itself, weights_only=True)
             raise _load_failure(e, str(self.path), self._reading) from None
+
+
+def planned_ranges(state_dict: dict[str, Any], md: Metadata) -> dict[str, list[tuple[int, int]]]:
+    """The bytes a `load` of `state_dict` (this rank's shards) reads: {data file: its (offset, length) ranges,
+    sorted, touching ones merged}, from its DCP load plan, as DCP's default planner, which `load` uses, makes it
+    (the coordinator's global plan keeps each rank's items)."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, md, is_coordinator=False)
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for item in planner.create_local_plan().items:
+        info = md.storage_data[item.storage_index]
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+    out: dict[str, list[tuple[int, int]]] = {}
+    for file, ranges in by_file.items():
+        merged: list[tuple[int, int]] = []
+        for offset, length in sorted(set(ranges)):
+            if merged and offset <= merged[-1][0] + merged[-1][1]:
+                start = merged[-1][0]
+                merged[-1] = (start, max(merged[-1][1], offset + length - start))
+            else:
+                merged.append((offset, length))
+        out[file] = merged
+    return out
 
 
 def load(state_dict: dict[str, Any], path: str, md: Metadata, no_dist: bool = False) -> None:

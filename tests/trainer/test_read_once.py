@@ -1,0 +1,88 @@
+"""Read once: a load on N ranks reads about one checkpoint from storage in all, not N (docs/checkpoint.md, "Read
+once"). Measured as benchmarks/read_once.py measures it: the bytes kiln's read functions take from storage."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import read_once
+from tests.helpers.s3_server import S3Server
+from trainer.checkpoint.hf import iter_hf_as_kiln, kiln_shapes
+
+ARGS = dataclasses.replace(read_once.model_args(64, 1), n_heads=4, n_kv_heads=2)  # 16-row heads
+
+
+def test_a_box_of_each_hf_weight_is_that_box_of_the_whole_weight(tmp_path: Path) -> None:
+    """Boxes that cut q/k heads in two (their rows are permuted per head), columns, a 1-D norm, an empty box: each
+    is the same box of the whole weight, and only about its bytes are read."""
+    read_once.write_hf(str(tmp_path), ARGS)
+    whole = dict(iter_hf_as_kiln(str(tmp_path), ARGS))
+    shapes = kiln_shapes(ARGS)
+
+    def box(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape = shapes[name]
+        if name == "norm.weight":
+            return (0,), (0,)  # nothing kept here
+        lo = shape[0] // 3 + 5  # inside a head, not at its start
+        return (lo, *([3] * (len(shape) - 1))), (shape[0] // 2, *([s - 3 for s in shape[1:]]))
+
+    with read_once.counting() as count:
+        parts = dict(iter_hf_as_kiln(str(tmp_path), ARGS, box))
+    assert set(parts) == set(whole)
+    for name, part in parts.items():
+        (off, shape), w = box(name), whole[name]
+        assert torch.equal(part, w[tuple(slice(o, o + n) for o, n in zip(off, shape))]), name
+    kept = sum(p.numel() * p.element_size() for p in parts.values())
+    # q/k are read by whole heads: at most two 16-row heads more per weight
+    assert kept <= count["safetensors"] <= kept + 2 * 2 * 16 * ARGS.dim * 4
+
+
+@pytest.mark.distributed
+def test_two_ranks_each_read_half_the_checkpoint_and_load_what_was_saved(tmp_path: Path, s3: S3Server) -> None:
+    """2 FSDP ranks: a Hugging Face initial load takes about half the safetensors bytes per rank, an s3:// resume
+    fetches about half the step's objects per rank; each loads the weights one rank loads, or that were saved."""
+    hf = read_once.measure("hf", 2, 64, 1, str(tmp_path))
+    torch.manual_seed(0)
+    model = read_once.Transformer(read_once.model_args(64, 1))
+    model.init_weights()
+    assert hf["states"] == [read_once.full_state(model)] * 2
+    assert all(0.4 * hf["size"] < n < 0.6 * hf["size"] for n in hf["per_rank"]), (hf["per_rank"], hf["size"])
+    s3_load = read_once.measure("s3", 2, 64, 1, str(tmp_path), s3)
+    assert s3_load["states"] == [s3_load["saved"]] * 2
+    assert all(0.4 * s3_load["size"] < n < 0.65 * s3_load["size"] for n in s3_load["per_rank"]), s3_load
+
+
+def test_a_range_one_rank_fetched_is_checked_against_the_owners_copy(tmp_path: Path) -> None:
+    """The owner of a file (it has it whole, its checksum checked) refuses a range another rank fetched whose bytes
+    differ from its copy's; ranges of files it does not hold are the other owners' to check."""
+    import zlib
+
+    from trainer.checkpoint.objects import range_mismatch
+
+    (tmp_path / "__1_0.distcp").write_bytes(bytes(range(200)))
+    good = ("__1_0.distcp", 10, 50, zlib.crc32(bytes(range(10, 60))))
+    bad = ("__1_0.distcp", 10, 50, zlib.crc32(bytes(range(11, 61))))
+    assert range_mismatch(str(tmp_path), {"__1_0.distcp"}, [good], "s3://b/step-1") is None
+    assert range_mismatch(str(tmp_path), set(), [bad], "s3://b/step-1") is None
+    error = range_mismatch(str(tmp_path), {"__1_0.distcp"}, [good, bad], "s3://b/step-1")
+    assert error is not None and error.startswith("checkpoint file s3://b/step-1/__1_0.distcp is damaged: bytes 10-60")
+
+
+def test_a_nan_in_the_part_a_rank_reads_is_refused(tmp_path: Path) -> None:
+    """The finiteness check runs on what was read (each rank its box; every rank raises the first refusal)."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln_base.errors import CheckpointError
+    from trainer.checkpoint.initial_load import load_initial, open_source
+
+    read_once.write_hf(str(tmp_path), ARGS)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    source = open_source(str(tmp_path))
+    with pytest.raises(CheckpointError, match="'norm.weight' holds NaN or infinite values"):
+        load_initial(source, read_once.Transformer(source.args))
