@@ -55,7 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -294,7 +294,9 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         import trainer.trainer  # noqa: F401
 
         if cfg.float8.enable_float8_linear:
-            with contextlib.suppress(ImportError):  # without torchao, the ranks say what float8 needs
+            # Its import logs warnings (CUDA extensions a CPU cannot load, a deprecated pytree registration of its
+            # KernelPreference Enum): kept off stderr, where a refusal by the ranks must be the only line.
+            with contextlib.suppress(ImportError), _logging_off_below(logging.ERROR):
                 import torchao.float8  # noqa: F401
 
         config, _, _ = config_from_args(torchrun)  # what `run` does, with train.py's main as a function
@@ -335,6 +337,17 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         # saved; torchrun's traceback of its own signal would add nothing. The shell's status for that signal.
         return 128 + int(e.sigval)
     return DONE
+
+
+@contextlib.contextmanager
+def _logging_off_below(level: int) -> Iterator[None]:
+    """Every logger's records below `level` dropped inside the block (logging.disable), the old setting after."""
+    before = logging.root.manager.disable
+    logging.disable(level - 1)
+    try:
+        yield
+    finally:
+        logging.disable(before)
 
 
 def _without_exit_traceback(record: logging.LogRecord) -> bool:

@@ -12,6 +12,7 @@ optimizer step. torchao is imported only inside these calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from collections import Counter
@@ -325,15 +326,22 @@ class Float8Converter:
         self.cfg = cfg
         self.tp_degree = tp_degree
         self.recipe = cfg.recipe
-        # nvfp4 has no torchao config: kiln's NVFP4Linear runs torchao's numerics emulated (float8/nvfp4.py).
-        self.config = (
-            mxfp8_training_config(cfg) if cfg.is_mxfp8 else None if cfg.is_nvfp4 else float8_linear_config(cfg)
-        )
         self.decisions: list[LinearDecision] = []  # filled by convert(); the dry run prints them
         self.expert_decisions: list[LinearDecision] = []  # the experts named by float8.moe_fqns
 
+    @functools.cached_property
+    def config(self) -> Float8LinearConfig | MXFP8TrainingOpConfig | None:
+        """torchao's config of the recipe, built (torchao imported) at first use. nvfp4 has none: kiln's NVFP4Linear
+        runs torchao's numerics emulated (float8/nvfp4.py)."""
+        cfg = self.cfg
+        return mxfp8_training_config(cfg) if cfg.is_mxfp8 else None if cfg.is_nvfp4 else float8_linear_config(cfg)
+
     def convert(self, model: nn.Module) -> None:
         """Convert in place (meta device is fine: only shapes are read); log one summary line."""
+        # The experts named by float8.moe_fqns are looked up before torchao is first imported: its import prints
+        # warnings on stderr (C extensions it cannot load, a deprecated pytree registration), which must not
+        # precede a refusal's one line.
+        experts = self._named_experts(model) if self.cfg.moe_fqns else []
         from torchao.float8 import convert_to_float8_training
 
         n_layers = len(getattr(model, "layers", ()))
@@ -360,19 +368,18 @@ class Float8Converter:
                 assert is_float8_linear(mod), fqn
                 mod.register_forward_pre_hook(_cast_input_to_autocast_dtype)
 
-        experts = self._convert_experts(model, n_layers) if self.cfg.moe_fqns else ""
+        experts_line = self._convert_experts(experts, n_layers) if experts else ""
 
         on = [("fsdp float8 all-gather", self.cfg.enable_fsdp_float8_all_gather), ("emulate", self.cfg.emulate)]
         flags = "".join(f" + {name}" for name, enabled in on if enabled)
         into = "MXFP8 weights" if self.cfg.is_mxfp8 else "NVFP4Linear" if self.cfg.is_nvfp4 else "Float8Linear"
         logger.info(
             f"float8 {self.recipe}{flags}: converted {len(chosen)} of {len(self.decisions)} Linears to {into}; "
-            f"skipped {len(self.decisions) - len(chosen)}" + _why(self.decisions) + experts
+            f"skipped {len(self.decisions) - len(chosen)}" + _why(self.decisions) + experts_line
         )
 
-    def _convert_experts(self, model: nn.Module, n_layers: int) -> str:
-        """Give the routed experts named by float8.moe_fqns (and not kept high precision) torchao's scaled grouped
-        GEMMs (float8/experts.py); the summary line's part about them."""
+    def _named_experts(self, model: nn.Module) -> list[tuple[str, GroupedExperts]]:
+        """The routed experts float8.moe_fqns names; ConfigError when it names none."""
         named = [
             (fqn, mod)
             for fqn, mod in model.named_modules()
@@ -383,6 +390,11 @@ class Float8Converter:
                 f"float8.moe_fqns {self.cfg.moe_fqns} names no routed experts of the model (an MoE model's are "
                 'layers.<i>.moe.experts; e.g. float8.moe_fqns = ["experts"])'
             )
+        return named
+
+    def _convert_experts(self, named: list[tuple[str, GroupedExperts]], n_layers: int) -> str:
+        """Give the routed experts named by float8.moe_fqns (and not kept high precision) torchao's scaled grouped
+        GEMMs (float8/experts.py); the summary line's part about them."""
         self.expert_decisions = [decide_experts(fqn, self.cfg, n_layers) for fqn, _ in named]
         mxfp8 = self.config if self.cfg.is_mxfp8 else None
         gemm = LowPrecisionGroupedGemm(self.cfg, mxfp8)
