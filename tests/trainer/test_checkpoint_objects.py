@@ -154,3 +154,16 @@ def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step
     loader, model, counter = _manager(url)
     assert loader.load() == 1 and counter.step == 1 and bool((model.weight == 1).all())
     loader.close()
+
+
+def test_an_initial_load_url_that_is_or_holds_the_runs_own_folder_is_refused() -> None:
+    from kiln_base.errors import ConfigError
+    from models import LLAMA3_FLAVORS
+    from trainer.checkpoint.initial_load import InitialSource, check_not_inside
+
+    source = InitialSource("s3://b/run/checkpoint/step-2", "kiln", LLAMA3_FLAVORS["debugmodel"])
+    for own in ("s3://b/run/checkpoint", "s3://b/run/checkpoint/step-2/", "s3://b/run/checkpoint/step-2/x"):
+        with pytest.raises(ConfigError, match="overlap: the run would save into the folder it starts from"):
+            check_not_inside(source, own)
+    for own in ("s3://b/run/checkpoint-2", "gs://b/run/checkpoint", "/tmp/run/checkpoint"):
+        check_not_inside(source, own)  # another prefix, another store, a local folder
