@@ -20,6 +20,10 @@ kiln loads at start (`--checkpoint.enable_checkpoint --checkpoint.folder CHECKPO
 weights. Names map as in Hugging Face's convert_llama_weights_to_hf.py, including the q/k row permutation:
 kiln (like Meta's Llama) rotates interleaved pairs (x0,x1),(x2,x3)...; HF's Llama rotates the two halves of
 each head, so wq and wk rows are reordered per head (trainer/checkpoint/hf.py). Only model weights convert.
+
+Any of the folders may be an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX): an input is downloaded
+into a temporary folder and read as a local one; an output is written there and uploaded (a kiln step as a run
+publishes a save, an HF folder with config.json last); docs/checkpoint.md "Object storage".
 """
 
 from __future__ import annotations
