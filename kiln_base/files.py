@@ -173,7 +173,8 @@ def writable_dir_problem(folder: str) -> str | None:
 
 
 # Object stores kiln keeps checkpoints in: URL scheme -> (the fsspec package that implements it, kiln's extra).
-OBJECT_STORES = {"s3": ("s3fs", "s3")}
+# gcs:// is fsspec's other name for gs://.
+OBJECT_STORES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _ALMOST_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
 _URL_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "hdfs", "http", "https", "file"}  # what a typo is taken for
@@ -204,15 +205,10 @@ def object_store_problem(url: str) -> str | None:
         return None
     if not url.startswith(f"{scheme}://"):  # fsspec knows its protocols in lower case only
         return f"write the scheme in lower case: {scheme}://{url[len(scheme) + 3 :]}"
-    if scheme in ("gs", "gcs"):
-        return (
-            f"{scheme}:// is not supported yet: kiln's object-storage checkpoints are built and tested on s3:// "
-            "(also S3-compatible stores, through AWS_ENDPOINT_URL); use an s3:// URL or a local folder"
-        )
     if scheme not in OBJECT_STORES:
         return (
             f"{scheme}:// is not an object store kiln supports; use s3://BUCKET/PREFIX (S3 or an S3-compatible store "
-            "through AWS_ENDPOINT_URL) or a local folder"
+            "through AWS_ENDPOINT_URL), gs://BUCKET/PREFIX (Google Cloud Storage) or a local folder"
         )
     if not url[len(scheme) + 3 :].split("/", 1)[0]:
         return f"names no bucket; write {scheme}://BUCKET/PREFIX"

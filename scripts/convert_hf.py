@@ -20,15 +20,22 @@ kiln loads at start (`--checkpoint.enable_checkpoint --checkpoint.folder CHECKPO
 weights. Names map as in Hugging Face's convert_llama_weights_to_hf.py, including the q/k row permutation:
 kiln (like Meta's Llama) rotates interleaved pairs (x0,x1),(x2,x3)...; HF's Llama rotates the two halves of
 each head, so wq and wk rows are reordered per head (trainer/checkpoint/hf.py). Only model weights convert.
+
+Any of the folders may be an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX): an input is downloaded
+into a temporary folder and read as a local one; an output is written there and uploaded (a kiln step as a run
+publishes a save, an HF folder with config.json last); docs/checkpoint.md "Object storage".
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -37,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kiln_base.errors import ConfigError, UserError  # noqa: E402
-from kiln_base.files import FileRefused, url_scheme  # noqa: E402
+from kiln_base.files import FileRefused, object_store_problem, url_scheme  # noqa: E402
 from models.args import FAMILIES, ModelArgs  # noqa: E402
 from trainer.checkpoint import hf  # noqa: E402
 from trainer.checkpoint import manager as checkpoint  # noqa: E402
@@ -167,7 +174,7 @@ def to_hf(
     print(f"{path} -> {out_dir}: {len(files)} safetensors file(s), {saved_dtype}, tokenizer {tokenizer_path}")
 
 
-def from_hf(hf_dir: str, folder: str, step: int) -> None:
+def from_hf(hf_dir: str, folder: str, step: int) -> str:
     """HF folder -> weights-only kiln checkpoint folder/step-N (kiln.json holds the model's ModelArgs)."""
     if not hf.is_hf_folder(hf_dir):
         raise ConfigError(f"{os.path.join(hf_dir, hf.CONFIG)}: not found")
@@ -177,6 +184,7 @@ def from_hf(hf_dir: str, folder: str, step: int) -> None:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     final = save_kiln_weights(sd, args, folder, step)
     print(f"{hf_dir} -> {final}: weights-only kiln checkpoint")
+    return final
 
 
 def _size(text: str) -> int:
@@ -186,16 +194,102 @@ def _size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
 
 
-def _refuse_urls(a: argparse.Namespace) -> None:
-    """A URL argument is object storage, which convert_hf does not read or write yet: refused, never taken for a
-    local path (`s3://b/x` would become a local folder named `s3:`)."""
-    for key in ("checkpoint", "out_dir", "hf_dir", "folder"):
-        value = getattr(a, key, None)
-        if isinstance(value, str) and url_scheme(value) is not None:
-            raise ConfigError(
-                f"{key} {value}: convert_hf reads and writes local folders only (object storage is not supported "
-                "here yet); copy it to a local folder first (for s3: aws s3 cp --recursive URL DIR)"
-            )
+class _Urls:
+    """convert_hf's object-storage arguments (s3://, gs://): an input is downloaded into a local temporary folder
+    first (plain names only, then read exactly as a local one), an output written there and uploaded after
+    (trainer/checkpoint/objects.py): a kiln step as a run saves one (the folder's lock held, `.kiln-saving` first,
+    kiln.json last), a Hugging Face folder with config.json last. Messages name the URL, not the temporary folder."""
+
+    def __init__(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="kiln-convert-")
+        self.names: dict[str, str] = {}  # local temporary folder -> the URL it stands for
+
+    def local(self, key: str, url: str) -> str:
+        problem = object_store_problem(url)
+        if problem is not None:
+            raise ConfigError(f"{key} {url}: {problem}")
+        path = os.path.join(self.tmp, key)
+        os.makedirs(path)
+        self.names[path] = url.rstrip("/")
+        return path
+
+    def kiln_input(self, url: str) -> str:
+        """A kiln step prefix, or a checkpoint folder's newest step kiln.json completes, downloaded."""
+        from trainer.checkpoint.objects import ObjectStore, download_prefix, newest_complete, top_names
+
+        local = self.local("checkpoint", url)
+        store = ObjectStore(url)
+        if not {checkpoint.MARKER, ".metadata"} <= top_names(store):
+            entry = newest_complete(store)
+            if entry is None:
+                raise ConfigError(f"{url}: no kiln checkpoint there (no step-N completed by its {checkpoint.MARKER})")
+            local, self.names[local] = os.path.join(local, entry.name), entry.path
+            os.makedirs(local)
+            url = entry.path
+        download_prefix(url, local, hf=False)
+        return local
+
+    def hf_input(self, url: str) -> str:
+        from trainer.checkpoint.objects import download_prefix
+
+        local = self.local("hf_dir", url)
+        download_prefix(url, local, hf=True)
+        return local
+
+    def upload_hf(self, local: str) -> None:
+        """A Hugging Face folder written into `local`, under its URL: config.json last (the folder is one from then)."""
+        from trainer.checkpoint.objects import ObjectStore, top_names
+
+        store = ObjectStore(self.names[local])
+        if top_names(store):
+            raise ConfigError(f"out_dir {store.url} holds objects already; convert_hf writes only into an empty prefix")
+        files = sorted(os.listdir(local), key=lambda n: (n == hf.CONFIG, n))
+        for name in files:
+            store.upload(os.path.join(local, name), name)
+
+    def upload_step(self, folder: str, step_path: str) -> None:
+        """A weights-only kiln step written under local `folder`, into its URL as a run publishes a save."""
+        from trainer.checkpoint.objects import (
+            ObjectLock,
+            ObjectStore,
+            prepare_object_save,
+            publish_object,
+            upload_step,
+        )
+
+        store = ObjectStore(self.names[folder])
+        name = os.path.basename(step_path)
+        marker = json.loads(open(os.path.join(step_path, checkpoint.MARKER), "rb").read())
+        lock = ObjectLock(store)  # no run may save into the folder meanwhile (and none holds it now)
+        try:
+            prepare_object_save(store, name)
+            upload_step(store, step_path, name, [f for f in marker["checksums"] if f != ".metadata"])
+            store.upload(os.path.join(step_path, ".metadata"), f"{name}/.metadata")
+            publish_object(store, name, marker)
+        finally:
+            lock.release()
+
+    def named(self, message: str) -> str:
+        for local, url in sorted(self.names.items(), key=lambda x: -len(x[0])):
+            message = message.replace(local, url)
+        return message
+
+
+def _convert(a: argparse.Namespace, urls: _Urls) -> None:
+    if a.command == "to_hf":
+        ckpt = urls.kiln_input(a.checkpoint) if url_scheme(a.checkpoint) else a.checkpoint
+        out = urls.local("out_dir", a.out_dir) if url_scheme(a.out_dir) else a.out_dir
+        to_hf(ckpt, out, a.dtype, a.flavor, a.tokenizer, a.max_shard_size, a.name)
+        if url_scheme(a.out_dir):
+            urls.upload_hf(out)
+            print(f"uploaded to {a.out_dir}")
+    else:
+        hf_dir = urls.hf_input(a.hf_dir) if url_scheme(a.hf_dir) else a.hf_dir
+        folder = urls.local("folder", a.folder) if url_scheme(a.folder) else a.folder
+        final = from_hf(hf_dir, folder, a.step)
+        if url_scheme(a.folder):
+            urls.upload_step(folder, final)
+            print(f"uploaded to {urls.names[folder]}/{os.path.basename(final)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,18 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=0)
     a = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # offline use is the intent
+    urls = _Urls()
     try:
-        _refuse_urls(a)
-        if a.command == "to_hf":
-            to_hf(a.checkpoint, a.out_dir, a.dtype, a.flavor, a.tokenizer, a.max_shard_size, a.name)
-        else:
-            from_hf(a.hf_dir, a.folder, a.step)
-    except UserError as e:  # config, checkpoint (damaged, refused as unsafe) mistakes
-        print(f"convert_hf: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        _convert(a, urls)
+    except UserError as e:  # config, checkpoint (damaged, refused as unsafe) mistakes; object storage's lines
+        print(f"convert_hf: error: {urls.named(' '.join(str(e).splitlines()))}", file=sys.stderr)
         return 2
     except FileRefused as e:  # an output file that is a link (kiln_base/files.py)
-        print(f"convert_hf: error: {e}", file=sys.stderr)
+        print(f"convert_hf: error: {urls.named(str(e))}", file=sys.stderr)
         return 2
+    finally:
+        shutil.rmtree(urls.tmp, ignore_errors=True)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: process-group and determinism cleanup after every test, the repo root, tiny-run arguments,
-the small debug model, Trainers that are always closed, and a local S3 server (moto). The same helpers are importable
-from tests/helpers/ (common.py, checkpoints.py, s3_server.py) for module-level use."""
+the small debug model, Trainers that are always closed, and local S3 (moto) and GCS (fake-gcs-server) servers. The same
+helpers are importable from tests/helpers/ (common.py, checkpoints.py, s3_server.py, gcs_server.py) for module-level
+use."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from models import LLAMA3_FLAVORS
 from tests.helpers.checkpoints import SMALL
 from tests.helpers.common import DEBUG_CONFIG, ROOT, open_trainer, tiny_run_args
+from tests.helpers.gcs_server import GCSServer
 from tests.helpers.s3_server import S3Server
 
 if TYPE_CHECKING:
@@ -100,6 +102,16 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     """moto's S3 server on a free localhost port with one bucket (tests/helpers/s3_server.py); this process's
     environment, and so every kiln process the test starts, points at it (AWS_ENDPOINT_URL, test credentials)."""
     with S3Server() as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        yield server
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server | GCSServer]:
+    """One bucket on a local server of each object store kiln supports, in turn: moto's S3 (`s3`) and
+    fake-gcs-server's GCS (`gs`, tests/helpers/gcs_server.py); the environment points kiln's processes at it."""
+    with S3Server() if request.param == "s3" else GCSServer() as server:
         for name, value in server.env.items():
             monkeypatch.setenv(name, value)
         yield server

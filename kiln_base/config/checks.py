@@ -106,7 +106,7 @@ def check_config_alone(cfg: JobConfig) -> None:
     )
     _check_checkpoint_urls(cfg.checkpoint, cfg.job.dump_folder)
     _check(
-        src is None or os.path.isdir(src),
+        src is None or url_scheme(src) is not None or os.path.isdir(src),  # a URL: what is there, read at start
         f"checkpoint.initial_load_path: not a folder: {src} (a Hugging Face model folder or a kiln checkpoint)",
     )
     cp = cfg.parallelism.context_parallel_degree
@@ -155,8 +155,8 @@ def check_config_alone(cfg: JobConfig) -> None:
 
 def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
     """A URL (`scheme://...`) names object storage, never a folder under job.dump_folder (which would make a local
-    folder named `s3:`): checkpoint.folder takes an s3:// URL with s3fs installed (trainer/checkpoint/objects.py),
-    saved in the foreground; checkpoint.initial_load_path no URL yet."""
+    folder named `s3:`): checkpoint.folder and checkpoint.initial_load_path take an s3:// (s3fs) or gs:// (gcsfs)
+    URL with its package installed (trainer/checkpoint/objects.py), saved in the foreground."""
     _check(
         url_scheme(dump) is None,
         f"job.dump_folder {dump}: a local folder (logs, traces, TensorBoard); a URL is not supported there; keep "
@@ -172,11 +172,9 @@ def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
             "the background is not supported yet; set checkpoint.async_mode disabled (the loop waits for the upload)",
         )
     src = c.initial_load_path
-    _check(
-        src is None or url_scheme(src) is None,
-        f"checkpoint.initial_load_path {src}: loading initial weights from a URL is not supported yet; copy them to "
-        "a local folder first (for s3: aws s3 cp --recursive URL DIR) and give that folder",
-    )
+    if src is not None:
+        problem = object_store_problem(src)  # a URL kiln reads from (s3://, gs://), with its package
+        _check(problem is None, f"checkpoint.initial_load_path {src}: {problem}")
 
 
 def _check_eval_files(cfg: Eval) -> None:

@@ -19,6 +19,8 @@ BUCKET = "kiln-test"
 class S3Server:
     """moto's ThreadedMotoServer on 127.0.0.1:<free port> with bucket BUCKET; `env` points kiln at it."""
 
+    scheme = "s3"
+
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 

@@ -1,5 +1,5 @@
 """A URL in checkpoint.folder or checkpoint.initial_load_path names object storage, never a folder under
-job.dump_folder (issue 57): an unknown scheme, gs://, a missing bucket or s3:// without s3fs is one ConfigError line
+job.dump_folder (issue 57): an unknown scheme, a missing bucket or s3:// without s3fs is one ConfigError line
 naming the key and the URL, at parse time (the launcher parses before any rank starts); the path resolution leaves a
 URL as it is, and job.dump_folder (local outputs) takes none."""
 
@@ -40,7 +40,7 @@ def test_local_paths_are_no_urls(path: str) -> None:
     ("url", "needle"),
     [
         ("hdfs://namenode/run", "hdfs:// is not an object store kiln supports; use s3://BUCKET/PREFIX"),
-        ("gs://bucket/run", "gs:// is not supported yet"),
+        ("gs:///run", "names no bucket; write gs://BUCKET/PREFIX"),
         ("s3:///run", "names no bucket; write s3://BUCKET/PREFIX"),
         ("S3://bucket/run", "write the scheme in lower case: s3://bucket/run"),  # fsspec knows no 'S3'
         ("s3:/bucket/run", "is not a URL (a slash short?)"),  # else a local folder named `s3:`
@@ -66,9 +66,15 @@ def test_a_url_folder_is_not_checked_with_checkpoints_off() -> None:
     parse_args(tiny_run_args("--checkpoint.folder", "hdfs://n/x"))  # nothing is saved, nothing is refused
 
 
-def test_initial_load_path_url_is_refused_naming_it() -> None:
-    line = _refusal("--checkpoint.initial_load_path", "s3://bucket/hf/llama")
-    assert line.startswith("checkpoint.initial_load_path s3://bucket/hf/llama: loading initial weights from a URL")
+def test_initial_load_path_url_is_checked_as_a_folder_url_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    line = _refusal("--checkpoint.initial_load_path", "hdfs://n/hf/llama")
+    assert line.startswith("checkpoint.initial_load_path hdfs://n/hf/llama: hdfs:// is not an object store kiln")
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    line = _refusal("--checkpoint.initial_load_path", "gs://bucket/hf/llama")
+    assert line == (
+        "checkpoint.initial_load_path gs://bucket/hf/llama: gs:// needs the gcsfs package, which is not installed "
+        "(pip install gcsfs, or kiln's extra: pip install -e '.[gcs]')"
+    )
 
 
 def test_dump_folder_url_is_refused_naming_it() -> None:

@@ -1,6 +1,7 @@
-"""trainer/checkpoint/objects.py against moto's S3 server on localhost (the `s3` fixture): the one-job lock object,
-retries with backoff then one line naming the URL, which prefixes count, are removed or are left alone, and a save
-whose upload fails (CheckpointManager in-process, one rank)."""
+"""trainer/checkpoint/objects.py against moto's S3 server and fake-gcs-server's GCS on localhost (the `bucket` fixture,
+both in turn; `s3` alone where the store's API does not matter): the one-job lock object, retries with backoff then
+one line naming the URL, which prefixes count, are removed or are left alone, and a save whose upload fails
+(CheckpointManager in-process, one rank)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import torch
 from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
 from tests.helpers.checkpoints import StepCounter
+from tests.helpers.gcs_server import GCSServer
 from tests.helpers.s3_server import S3Server
 from trainer.checkpoint import objects
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.objects import ObjectLock, ObjectStore, remove_killed_object_saves, scan_objects
 
 
-def test_lock_object_refuses_a_second_run_naming_the_holder_until_released(s3: S3Server) -> None:
+def test_lock_object_refuses_a_second_run_naming_the_holder_until_released(bucket: S3Server | GCSServer) -> None:
+    s3 = bucket
     store = ObjectStore(s3.url("run/ckpt"))
     first = ObjectLock(store)
     assert s3.keys("run/ckpt") == [".kiln.lock"]
@@ -82,6 +85,18 @@ class NoCredentialsError(Exception):  # botocore's, by name: kiln tells it by it
     pass
 
 
+def test_a_gcs_refused_permission_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gcsfs raises a plain OSError('Forbidden: ...') for a 403, not PermissionError."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # no look for credentials (15 s): fs is a fake
+    waits: list[float] = []
+    fs = _Flaky(99, OSError("Forbidden: https://storage.googleapis.com/b/kiln-test/o"))
+    store = ObjectStore("gs://kiln-test/run/ckpt", sleep=waits.append)
+    store.fs = fs
+    with pytest.raises(CheckpointError, match="failed: OSError: Forbidden: "):
+        store.listing()
+    assert fs.calls == 1 and waits == []
+
+
 def test_missing_credentials_are_not_retried(s3: S3Server) -> None:
     waits: list[float] = []
     fs = _Flaky(99, NoCredentialsError("Unable to locate credentials"))
@@ -90,7 +105,8 @@ def test_missing_credentials_are_not_retried(s3: S3Server) -> None:
     assert fs.calls == 1 and waits == []
 
 
-def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(s3: S3Server) -> None:
+def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(bucket: S3Server | GCSServer) -> None:
+    s3 = bucket
     for key in ("step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json"):  # complete
         s3.write(f"run/ckpt/{key}", b"{}")
     for key in ("step-4/.kiln-saving", "step-4/.metadata", "step-4/__0_0.distcp"):  # killed before its marker
@@ -111,8 +127,9 @@ def _manager(url: str) -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]
 
 
 def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step_loadable(
-    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+    bucket: S3Server | GCSServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    s3 = bucket
     url = s3.url("run/ckpt")
     saver, model, counter = _manager(url)
     with torch.no_grad():
@@ -137,3 +154,16 @@ def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step
     loader, model, counter = _manager(url)
     assert loader.load() == 1 and counter.step == 1 and bool((model.weight == 1).all())
     loader.close()
+
+
+def test_an_initial_load_url_that_is_or_holds_the_runs_own_folder_is_refused() -> None:
+    from kiln_base.errors import ConfigError
+    from models import LLAMA3_FLAVORS
+    from trainer.checkpoint.initial_load import InitialSource, check_not_inside
+
+    source = InitialSource("s3://b/run/checkpoint/step-2", "kiln", LLAMA3_FLAVORS["debugmodel"])
+    for own in ("s3://b/run/checkpoint", "s3://b/run/checkpoint/step-2/", "s3://b/run/checkpoint/step-2/x"):
+        with pytest.raises(ConfigError, match="overlap: the run would save into the folder it starts from"):
+            check_not_inside(source, own)
+    for own in ("s3://b/run/checkpoint-2", "gs://b/run/checkpoint", "/tmp/run/checkpoint"):
+        check_not_inside(source, own)  # another prefix, another store, a local folder

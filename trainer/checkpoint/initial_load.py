@@ -6,12 +6,20 @@ kiln checkpoint (a DCP step folder, or a checkpoint folder: its newest complete 
 step's kiln.json) is what `model.flavor = "from_checkpoint"` builds, or what a named flavor is checked
 against. The weights load only when the run's own checkpoint folder holds nothing to resume (as torchtitan's
 key), so the same command resumes after a stop; the run's saves go to its own folder, never to the source.
+
+The path may be an object-storage URL (`s3://...`, `gs://...`): a Hugging Face folder (config.json there), a kiln step
+prefix (its kiln.json there: kiln writes it last) or a checkpoint folder (its newest step kiln.json completes). Its
+shape is read from config.json or kiln.json alone; the weights are downloaded (plain names only) into a local
+temporary folder when they load, read there exactly as a local source (checksums, restricted unpickler, records
+inside), and the download is deleted; messages name the URL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,11 +52,16 @@ class InitialSource:
 
 
 def stored_kiln_args(step_path: str, where: str) -> ModelArgs:
-    """The ModelArgs in a kiln step folder's kiln.json, every field type- and range-checked."""
-    marker = os.path.join(step_path, MARKER)
+    """The ModelArgs in a kiln step folder's (or step URL's) kiln.json, every field type- and range-checked."""
+    marker = f"{step_path}/{MARKER}" if url_scheme(step_path) else os.path.join(step_path, MARKER)
     try:
-        saved = loads_json(read_bounded(marker, MARKER_LIMIT, "a kiln.json"))
-    except (OSError, ValueError) as e:
+        if url_scheme(step_path):
+            from trainer.checkpoint.objects import ObjectStore
+
+            saved = loads_json(ObjectStore(step_path).read(MARKER, MARKER_LIMIT))
+        else:
+            saved = loads_json(read_bounded(marker, MARKER_LIMIT, "a kiln.json"))
+    except (OSError, ValueError, CheckpointError) as e:
         raise ConfigError(f"{where}: cannot read {marker}: {e} (kiln needs the model shape stored with it)") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model_args"), dict):
         raise ConfigError(f"{where}: {marker} stores no model_args")
@@ -58,6 +71,8 @@ def stored_kiln_args(step_path: str, where: str) -> ModelArgs:
 def open_source(path: str) -> InitialSource:
     """Recognise and read the shape of checkpoint.initial_load_path (ConfigError naming it if unusable)."""
     where = f"{KEY} {path}"
+    if url_scheme(path) is not None:
+        return _open_url(path.rstrip("/"), where)
     if not os.path.isdir(path):
         raise ConfigError(f"{where}: not a folder (give a Hugging Face model folder or a kiln checkpoint)")
     if is_hf_folder(path):
@@ -75,15 +90,45 @@ def open_source(path: str) -> InitialSource:
     return InitialSource(step, "kiln", stored_kiln_args(step, where))
 
 
+def _open_url(url: str, where: str) -> InitialSource:
+    """open_source of an object-storage URL: the shape from config.json or kiln.json alone (nothing else read)."""
+    from trainer.checkpoint.hf import CONFIG
+    from trainer.checkpoint.objects import ObjectStore, newest_complete, top_names
+
+    try:
+        store = ObjectStore(url)
+        top = top_names(store)
+        if CONFIG in top:
+            with tempfile.TemporaryDirectory(prefix="kiln-source-") as tmp:
+                store.download(CONFIG, os.path.join(tmp, CONFIG))
+                try:
+                    return InitialSource(url, "hf", read_hf_args(tmp))
+                except ConfigError as e:
+                    raise ConfigError(f"{KEY}: {str(e).replace(tmp, url)}") from None
+        if MARKER in top and ".metadata" in top:  # a step prefix, complete (kiln.json is written last)
+            return InitialSource(url, "kiln", stored_kiln_args(url, where))
+        entry = newest_complete(store)
+    except CheckpointError as e:  # the store's line (no such bucket, network), under the key
+        raise ConfigError(f"{KEY}: {e}") from None
+    if entry is None:
+        raise ConfigError(
+            f"{where}: neither a Hugging Face folder (no config.json) nor a kiln checkpoint (no .metadata and "
+            f"{MARKER}, no step-N completed by its {MARKER}) in object storage"
+        )
+    return InitialSource(entry.path, "kiln", stored_kiln_args(entry.path, where))
+
+
 def check_not_inside(source: InitialSource, checkpoint_folder: str) -> None:
-    """The run's checkpoint folder must be neither the source nor inside it, nor hold it (a URL folder, object
-    storage, cannot: the source is a local folder)."""
-    if url_scheme(checkpoint_folder) is not None:
+    """The run's checkpoint folder must be neither the source nor inside it, nor hold it (compared as URLs when
+    either is one: a local folder and a URL never overlap)."""
+    if (url_scheme(checkpoint_folder) is None) != (url_scheme(source.path) is None):
         return
-    src = os.path.realpath(source.path)
-    own = os.path.realpath(checkpoint_folder)
+    if url_scheme(checkpoint_folder) is not None:
+        src, own, sep = source.path.rstrip("/"), checkpoint_folder.rstrip("/"), "/"
+    else:
+        src, own, sep = os.path.realpath(source.path), os.path.realpath(checkpoint_folder), os.sep
     for a, b in ((src, own), (own, src)):
-        if a == b or a.startswith(b + os.sep):
+        if a == b or a.startswith(b + sep):
             raise ConfigError(
                 f"{KEY} {source.path} and this run's checkpoint folder {checkpoint_folder} overlap: the run would "
                 "save into the folder it starts from; set checkpoint.folder (or job.dump_folder) elsewhere"
@@ -124,8 +169,27 @@ def load_initial(
     source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None = None
 ) -> None:
     """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not, a pipeline
-    rank's stages: `held_elsewhere` names the weights other stages load)."""
+    rank's stages: `held_elsewhere` names the weights other stages load). A URL's files are downloaded first (every
+    rank downloads them all) and deleted once loaded."""
     t0 = time.perf_counter()
+    if url_scheme(source.path) is not None:
+        from trainer.checkpoint.objects import download_prefix
+
+        with tempfile.TemporaryDirectory(prefix="kiln-initial-") as local:
+            try:
+                download_prefix(source.path, local, hf=source.kind == "hf")
+                _load_local(dataclasses.replace(source, path=local), model, held_elsewhere)
+            except (CheckpointError, ConfigError) as e:  # name the URL, not the download
+                raise type(e)(str(e).replace(local, source.path)) from None
+    else:
+        _load_local(source, model, held_elsewhere)
+    logger.info(
+        f"Loaded initial weights from {source.path} ({'Hugging Face' if source.kind == 'hf' else 'kiln'}) "
+        f"in {time.perf_counter() - t0:.2f} s; training starts at step 0"
+    )
+
+
+def _load_local(source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None) -> None:
     elsewhere = dict(held_elsewhere or {})
     targets = _model_targets(model)
     where = f"{KEY} {source.path}"
@@ -179,7 +243,3 @@ def load_initial(
         if error is not None:
             raise CheckpointError(error)
     set_model_state_dict(model, dict(targets))  # a fresh dict[str, Any]: the API's value type is wider
-    logger.info(
-        f"Loaded initial weights from {source.path} ({'Hugging Face' if source.kind == 'hf' else 'kiln'}) "
-        f"in {time.perf_counter() - t0:.2f} s; training starts at step 0"
-    )

@@ -1,5 +1,6 @@
-"""Checkpoints in object storage (`s3://BUCKET/PREFIX`, through fsspec's s3fs): the local folder's promises on a store
-that has no rename, no lock and no partial listing guarantees beyond what it wrote.
+"""Checkpoints in object storage (`s3://BUCKET/PREFIX` through fsspec's s3fs, `gs://BUCKET/PREFIX` through gcsfs):
+the local folder's promises on a store that has no rename, no lock and no partial listing guarantees beyond what it
+wrote.
 
 Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metadata`, one `__R_0.distcp` per rank,
 `.kiln-saving` and `kiln.json`; `{url}/.kiln.lock` is the one-job lock. kiln reads no other key.
@@ -20,7 +21,8 @@ Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metada
   ranks' ranges of it checked against that copy (fetch_planned, check_ranges). The copy is read exactly as a local
   checkpoint: `.metadata` through the restricted unpickler, each record inside the folder
   (trainer/checkpoint/reader.py).
-- One job per URL: rank 0 creates `.kiln.lock` with a conditional put (If-None-Match: *), which the store refuses
+- One job per URL: rank 0 creates `.kiln.lock` with a conditional put (S3: If-None-Match: *; GCS: ifGenerationMatch=0;
+  fsspec's pipe_file mode="create" in both), which the store refuses
   when the object exists, so two jobs cannot both take it; the run deletes it when it ends. A run killed without
   its end (SIGKILL, a lost node) leaves it: the next run refuses, naming the holder and the object to delete.
 - Every request is retried with backoff (RETRIES tries, BACKOFF_S doubling: 15 s of waits, on top of botocore's and
@@ -65,9 +67,26 @@ HEAD = (METADATA, MARKER)  # what a load downloads of every step it considers; t
 # The names a step prefix may hold that kiln downloads: DCP's index, kiln.json and the ranks' data files.
 _READ = re.compile(r"^(\.metadata|kiln\.json|__\d{1,6}_\d{1,6}\.distcp)$")
 _NOT_TRANSIENT = (FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
-# botocore's, by name (this module imports no botocore): no credentials will not appear on a retry
-_NOT_TRANSIENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError"}
+# botocore's and google-auth's, by name (this module imports neither): no credentials will not appear on a retry
+_NOT_TRANSIENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError", "DefaultCredentialsError"}
+# Per scheme: where credentials come from, where the endpoint is set, how a user deletes a left lock.
+_HINTS = {
+    "s3": ("AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "aws s3 rm"),
+    "gs": (
+        "GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login",
+        "STORAGE_EMULATOR_HOST",
+        "gcloud storage rm",
+    ),
+}
 T = TypeVar("T")
+
+
+def _not_transient(e: Exception) -> bool:
+    """A failure a retry will not fix: a refused permission (gcsfs raises a plain OSError 'Forbidden' for a 403),
+    missing credentials, an object that exists where kiln asked for none."""
+    if isinstance(e, _NOT_TRANSIENT) or type(e).__name__ in _NOT_TRANSIENT_NAMES:
+        return True
+    return type(e) is OSError and str(e).startswith("Forbidden")
 
 
 def _reason(e: BaseException) -> str:
@@ -76,13 +95,15 @@ def _reason(e: BaseException) -> str:
 
 class ObjectStore:
     """The fsspec filesystem behind one checkpoint URL; every request retried (`retried`). Credentials and the
-    endpoint come from the standard environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, an instance role)."""
+    endpoint come from the standard environment (S3: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws, an instance role;
+    GCS: Application Default Credentials, STORAGE_EMULATOR_HOST)."""
 
     def __init__(self, url: str, sleep: Callable[[float], None] = time.sleep) -> None:
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
         self.sleep = sleep
+        self.hints = _HINTS["s3" if url.startswith("s3://") else "gs"]
         # No listing cache: kiln lists right after it writes or deletes, and must see what is there now.
         self.fs, self.root = url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
         self.root = self.root.rstrip("/")
@@ -106,18 +127,20 @@ class ObjectStore:
                 raise CheckpointError(
                     f"object storage: {what} {self.where(name)} failed: no such bucket or object (check the URL)"
                 ) from None
-            except _NOT_TRANSIENT as e:
-                raise CheckpointError(f"object storage: {what} {self.where(name)} failed: {_reason(e)}") from None
-            except Exception as e:  # fsspec and botocore raise many types for a transient failure
-                if type(e).__name__ in _NOT_TRANSIENT_NAMES:
+            except Exception as e:  # fsspec, botocore and gcsfs raise many types for a transient failure
+                if _not_transient(e):
                     raise CheckpointError(
-                        f"object storage: {what} {self.where(name)} failed: {_reason(e)} (check the credentials: "
-                        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)"
+                        f"object storage: {what} {self.where(name)} failed: {_reason(e)}"
+                        + (
+                            f" (check the credentials: {self.hints[0]})"
+                            if type(e).__name__ in _NOT_TRANSIENT_NAMES
+                            else ""
+                        )
                     ) from None
                 if attempt == RETRIES:
                     raise CheckpointError(
                         f"object storage: {what} {self.where(name)} failed after {RETRIES} tries: {_reason(e)} "
-                        "(check the network, the credentials and AWS_ENDPOINT_URL)"
+                        f"(check the network, the credentials and {self.hints[1]})"
                     ) from None
                 logger.warning(f"object storage: {what} {self.where(name)} failed ({_reason(e)}); trying again")
                 self.sleep(BACKOFF_S * 2 ** (attempt - 1))
@@ -312,6 +335,29 @@ def remove_killed_object_saves(store: ObjectStore) -> None:
             )
 
 
+# The names of a Hugging Face folder kiln downloads (it reads only safetensors, never pickled .bin files).
+HF_READ = re.compile(r"^(config\.json|model\.safetensors\.index\.json|[A-Za-z0-9_.-]{1,200}\.safetensors)$")
+
+
+def top_names(store: ObjectStore) -> set[str]:
+    """The names of the objects right under the URL (one listing)."""
+    return {head for head, below in store.listing().items() if "" in below}
+
+
+def download_prefix(url: str, local: str, hf: bool) -> None:
+    """The files kiln reads right under `url` (a kiln step prefix, or with `hf` a Hugging Face folder: plain names
+    only, as download_step) into the existing local folder `local`."""
+    store = ObjectStore(url)
+    for name in sorted(n for n in top_names(store) if (HF_READ if hf else _READ).match(n)):
+        store.download(name, os.path.join(local, name))
+
+
+def newest_complete(store: ObjectStore) -> ObjectEntry | None:
+    """The newest step under the URL that its kiln.json completes (an export wins a tie, as resolve_step_dir)."""
+    done = [e for e in scan_objects(store) if not e.tmp and e.has_metadata]
+    return max(done, key=lambda e: (e.step, e.export)) if done else None
+
+
 def download_step(entry: ObjectEntry, local_root: str, names: Iterable[str] = HEAD) -> str:
     """Download files `names` of step `entry` (by default its head: `.metadata` and kiln.json) into
     `local_root/<its name>`, each once; that folder. Only names kiln reads (_READ), and only objects the step
@@ -405,7 +451,7 @@ class ObjectLock:
                 f"checkpoint folder {store.url} is in use by another kiln run ({held or 'unknown'}; lock "
                 f"{store.where(LOCK_FILE)}): one run per folder; wait for it or stop it, or set another "
                 "checkpoint.folder. A run killed without ending (SIGKILL, a lost node) leaves the lock: if that run is "
-                "gone, delete the lock object (aws s3 rm URL/.kiln.lock)"
+                f"gone, delete the lock object ({store.hints[2]} URL/.kiln.lock)"
             )
         self.store = store
 
