@@ -5,8 +5,8 @@ write (fsync'd) and read of a file of the same size on the same file system.
     python benchmarks/checkpoint_speed.py [--folder DIR] [--flavor 0.6B] [--s3]
 
 1. The disk: write the checkpoint's size in 64 MiB blocks and fsync, then read it back with the page cache
-   dropped for that file (posix_fadvise DONTNEED: no root needed). Measured before and after kiln's save and load;
-   the table gives both (the ratios use their mean).
+   dropped for that file (posix_fadvise DONTNEED: no root needed). Measured twice, between kiln's save and load and
+   after the load; the table gives both (the ratios use their mean).
 2. kiln: train 1 step with a checkpoint at step 1 (its "Saved checkpoint ... in X s" line: DCP's files written and
    fsync'd, the checksums, the marker), then drop the checkpoint's files from the page cache and resume it (its
    "Loaded checkpoint ... in X s": reading, checksums, the checks of every loaded value).
