@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -292,12 +293,12 @@ class _Pending:
     writer: ChecksummingWriter
 
 
-def _gathered(obj: Any) -> list[Any]:
+def _gathered(obj: Any, group: Any = None) -> list[Any]:
     """`obj` of every rank, in rank order (itself alone without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)  # object collectives run on CPU (gloo) in kiln's process groups
+    dist.all_gather_object(out, obj, group=group)  # object collectives run on CPU (gloo) in kiln's process groups
     return out
 
 
@@ -345,6 +346,7 @@ class CheckpointManager:
                 )
             )
         self._pending: _Pending | None = None  # the background save in flight
+        self._uploader: ThreadPoolExecutor | None = None  # object storage under async_mode: the upload's thread
         self.loaded: str | None = None  # the checkpoint load() loaded, None when it found none
 
     # ------------------------------------------------------------------ state dicts
@@ -664,7 +666,7 @@ class CheckpointManager:
         line += f"{' (async)' if background else ''}: {size}"
         line += f", training stalled {stall * 1e3:.0f} ms"
         if waited >= 0.0005:
-            line += f" ({waited * 1e3:.0f} ms of it waiting for its write to finish)"
+            line += f" ({waited * 1e3:.0f} ms of it waiting for its {'upload' if self.store else 'write'} to finish)"
         return line
 
     def _save(self, step: int, weights_only: bool, background: bool) -> None:
@@ -676,6 +678,9 @@ class CheckpointManager:
             sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
         name = save_name(step, export=weights_only)
         self._prepare(name)
+        if self.store is not None and background:
+            self._upload_in_background(sd, step, weights_only, t0)
+            return
         if self.store is not None:
             with self._writing(name):
                 n_bytes = self._save_to_store(sd, step, weights_only)
@@ -703,33 +708,65 @@ class CheckpointManager:
         """Object storage: DCP writes this rank's files into a local staging folder (checksummed as written), each
         rank uploads its own; once all have, rank 0 uploads the index, then kiln.json last (objects.py). Returns the
         bytes saved: the whole step's on rank 0, this rank's files' on the others."""
-        assert self.store is not None
         name = save_name(step, export=weights_only)
         stage = tempfile.mkdtemp(prefix="kiln-stage-")
         try:
             local = os.path.join(stage, name)
             writer = ChecksummingWriter(local)
             dcp.save(sd, checkpoint_id=local, storage_writer=writer)
-            error = None
-            try:
-                upload_step(self.store, local, name, writer.sums)
-            except CheckpointError as e:
-                error = str(e)
-            results = _gathered((error, writer.sums, writer.bytes))  # every rank's uploads done (or failed) first
-            error = next((e for e, _, _ in results if e is not None), None)
-            if error is not None:
-                raise CheckpointError(error)
-            if self.rank != 0:
-                return writer.bytes
-            checksums = {file: crc for _, sums, _ in results for file, crc in sums.items()}
-            checksums[METADATA] = file_checksum(os.path.join(local, METADATA))
-            self.store.upload(os.path.join(local, METADATA), f"{name}/{METADATA}")
-            dtype = self.cfg.export_dtype if weights_only else "float32"
-            publish_object(self.store, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
-            purge_objects(self.store, self.cfg.keep_latest_k)
-            return sum(n for _, _, n in results) + os.path.getsize(os.path.join(local, METADATA))
+            return self._upload(local, step, weights_only, writer)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+
+    def _upload_in_background(self, sd: dict[str, Any], step: int, weights_only: bool, t0: float) -> None:
+        """Object storage under async_mode: staged in host memory now, as a folder save; the local write, the
+        uploads, the index and kiln.json (still last) in one background thread, in that order. The next save, a
+        preemption's and the end of training wait for it (_finish_pending), as for a folder."""
+        name = save_name(step, export=weights_only)
+        stage = tempfile.mkdtemp(prefix="kiln-stage-")
+        local = os.path.join(stage, name)
+        writer = ChecksummingWriter(local)
+        kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
+        result = dcp.async_save(sd, checkpoint_id=local, storage_writer=writer, process_group=self._pg, **kwargs)
+        written: Any = getattr(result, "upload_completion", result)  # a Future (AsyncSaveResponse with a stager)
+
+        def upload() -> int:
+            try:
+                written.result()
+                return self._upload(local, step, weights_only, writer)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+
+        if self._uploader is None:
+            self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-upload")
+        staged = time.perf_counter() - t0
+        self._pending = _Pending(self._uploader.submit(upload), step, weights_only, t0, staged, writer)
+        logger.info(f"Checkpoint {name}: staged in {staged:.2f} s, uploading in background")
+
+    def _upload(self, local: str, step: int, weights_only: bool, writer: ChecksummingWriter) -> int:
+        """This rank's staged files of `step` uploaded; once every rank's are, rank 0 uploads `.metadata`, then
+        kiln.json, and applies keep_latest_k. The bytes saved (as _save_to_store's)."""
+        assert self.store is not None
+        name = save_name(step, export=weights_only)
+        error = None
+        try:
+            upload_step(self.store, local, name, writer.sums)
+        except CheckpointError as e:
+            error = str(e)
+        # every rank's uploads done (or failed) first; the async save's own group when in the background
+        results = _gathered((error, writer.sums, writer.bytes), self._pg)
+        error = next((e for e, _, _ in results if e is not None), None)
+        if error is not None:
+            raise CheckpointError(error)
+        if self.rank != 0:
+            return writer.bytes
+        checksums = {file: crc for _, sums, _ in results for file, crc in sums.items()}
+        checksums[METADATA] = file_checksum(os.path.join(local, METADATA))
+        self.store.upload(os.path.join(local, METADATA), f"{name}/{METADATA}")
+        dtype = self.cfg.export_dtype if weights_only else "float32"
+        publish_object(self.store, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
+        purge_objects(self.store, self.cfg.keep_latest_k)
+        return sum(n for _, _, n in results) + os.path.getsize(os.path.join(local, METADATA))
 
     def _finish_pending(self) -> None:
         """Wait for the background save (if any) and publish it; the wait and the publish count as its stall."""
@@ -739,9 +776,12 @@ class CheckpointManager:
         t1 = time.perf_counter()
         name = save_name(pending.step, export=pending.weights_only)
         with self._writing(name):
-            pending.future.result()  # re-raises a failed background save
+            uploaded = pending.future.result()  # re-raises a failed background save
             waited = time.perf_counter() - t1
-            n_bytes = self._publish(pending.step, pending.weights_only) or pending.writer.bytes
+            if self.store is not None:  # published in the background, kiln.json last
+                n_bytes = uploaded
+            else:
+                n_bytes = self._publish(pending.step, pending.weights_only) or pending.writer.bytes
         now = time.perf_counter()
         stall = pending.staged + now - t1
         logger.info(self._saved_line(name, now - pending.t0, n_bytes, stall, waited, background=True))
@@ -823,6 +863,9 @@ class CheckpointManager:
             if self.enabled:
                 self._finish_pending()
         finally:
+            if self._uploader is not None:
+                self._uploader.shutdown()
+                self._uploader = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
