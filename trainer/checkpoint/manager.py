@@ -727,7 +727,11 @@ class CheckpointManager:
         local = os.path.join(stage, name)
         writer = ChecksummingWriter(local)
         kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
-        result = dcp.async_save(sd, checkpoint_id=local, storage_writer=writer, process_group=self._pg, **kwargs)
+        try:
+            result = dcp.async_save(sd, checkpoint_id=local, storage_writer=writer, process_group=self._pg, **kwargs)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
         written: Any = getattr(result, "upload_completion", result)  # a Future (AsyncSaveResponse with a stager)
 
         def upload() -> int:
