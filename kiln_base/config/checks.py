@@ -165,12 +165,6 @@ def _check_checkpoint_urls(c: Checkpoint, dump: str) -> None:
     if c.enable_checkpoint:
         problem = object_store_problem(c.folder)  # also a URL's typo (s3:/b/p): it would be a local folder `s3:`
         _check(problem is None, f"checkpoint.folder {c.folder}: {problem}")
-    if c.enable_checkpoint and url_scheme(c.folder) is not None:
-        _check(
-            c.async_mode == "disabled",
-            f"checkpoint.async_mode {c.async_mode} with checkpoint.folder {c.folder}: saving into object storage in "
-            "the background is not supported yet; set checkpoint.async_mode disabled (the loop waits for the upload)",
-        )
     src = c.initial_load_path
     if src is not None:
         problem = object_store_problem(src)  # a URL kiln reads from (s3://, gs://), with its package

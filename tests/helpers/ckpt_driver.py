@@ -7,6 +7,8 @@ Hooks, by environment variable (the product code has none):
   KILN_TEST_KILL_AFTER_SAVE=N  rank 0 SIGKILLs itself right after step N's checkpoint is published
   KILN_TEST_KILL_IN_SAVE=N     rank 0 SIGKILLs itself inside step N's save: every rank's files and the
                                marker are written, but the folder is not yet renamed to step-N
+  KILN_TEST_KILL_IN_ASYNC_WRITE=N  rank 0 SIGKILLs itself in the background thread writing step N's files
+                               (checkpoint.async_mode): its data file written, no .metadata yet, training going on
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import json
 import os
 import signal
 import sys
+import threading
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from kiln_base.config import parse_args  # noqa: E402
+from trainer.checkpoint.checksums import ChecksummingWriter  # noqa: E402
 from trainer.checkpoint.manager import CheckpointManager  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
@@ -27,7 +32,9 @@ from trainer.trainer import Trainer  # noqa: E402
 def _install_hooks() -> None:
     kill_after = int(os.environ.get("KILN_TEST_KILL_AFTER_SAVE", "-1"))
     kill_in = int(os.environ.get("KILN_TEST_KILL_IN_SAVE", "-1"))
+    kill_in_write = int(os.environ.get("KILN_TEST_KILL_IN_ASYNC_WRITE", "-1"))
     maybe_save, publish = CheckpointManager.maybe_save, CheckpointManager._publish
+    write_data = ChecksummingWriter.write_data
 
     def maybe_save_then_die(self: CheckpointManager, step: int, last: bool = False) -> None:
         maybe_save(self, step, last)
@@ -42,7 +49,16 @@ def _install_hooks() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         publish(self, step, weights_only)
 
+    def write_then_die(self: ChecksummingWriter, plan: Any, planner: Any) -> Any:
+        done = write_data(self, plan, planner)
+        in_background = threading.current_thread() is not threading.main_thread()
+        if os.path.basename(os.fspath(self.path)) == f"step-{kill_in_write}.tmp" and in_background:
+            if int(os.environ.get("RANK", "0")) == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
     CheckpointManager.maybe_save = maybe_save_then_die
+    ChecksummingWriter.write_data = write_then_die  # type: ignore[method-assign]
     CheckpointManager._publish = die_before_rename
 
 

@@ -41,12 +41,19 @@ def drive(dump: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = N
     return proc.returncode, losses
 
 
+@pytest.fixture(scope="module")
+def straight8(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the 8-step tiny run without checkpoints (the kill tests' reference)."""
+    rc, straight = drive(tmp_path_factory.mktemp("straight8") / "straight", "--training.steps", "8")
+    assert rc == 0 and len(straight) == 8
+    return straight
+
+
 @pytest.mark.slow
-def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> None:
+def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path, straight8: list[float]) -> None:
     """Killed inside step 6's save (all files written, folder not yet renamed): step-4 stays the latest,
     the resumed run loads it and reproduces the straight run's losses for steps 5-8 bitwise."""
-    rc, straight = drive(tmp_path / "straight", "--training.steps", "8")
-    assert rc == 0 and len(straight) == 8
+    straight = straight8
     ckpt = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
     rc, _ = drive(tmp_path / "run", *ckpt, env={"KILN_TEST_KILL_IN_SAVE": "6"})
     assert rc == -9
@@ -59,6 +66,30 @@ def test_sigkill_mid_save_then_resume_matches_straight_run(tmp_path: Path) -> No
     log = (tmp_path / "run.log").read_text()
     assert f"Loaded checkpoint {folder / 'step-4'} (full state)" in log
     assert resumed == straight[4:]  # exact floats
+    assert names(folder) == ["step-2", "step-4", "step-6", "step-8"]
+
+
+@pytest.mark.slow
+def test_sigkill_during_async_write_then_resume_matches_straight_run(tmp_path: Path, straight8: list[float]) -> None:
+    """async_mode async, killed (SIGKILL) in the background thread writing step 6 (its data file written, no
+    .metadata) while training goes on: step-4 stays the newest complete checkpoint, step-6.tmp is all of step 6, and
+    the next run resumes from step-4 with the straight run's losses for steps 5-8 bitwise."""
+    ckpt = [*("--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2")]
+    ckpt += ["--checkpoint.async_mode", "async"]
+    rc, _ = drive(tmp_path / "run", *ckpt, env={"KILN_TEST_KILL_IN_ASYNC_WRITE": "6"})
+    assert rc == -9
+    log = (tmp_path / "run.log").read_text()
+    assert "Checkpoint step-6: staged in " in log and "writing in background" in log
+    folder = tmp_path / "run" / "checkpoint"
+    assert names(folder) == ["step-2", "step-4", "step-6.tmp"]
+    partial = {p.name for p in (folder / "step-6.tmp").iterdir()}
+    assert "__0_0.distcp" in partial and ".metadata" not in partial and "kiln.json" not in partial
+
+    rc, resumed = drive(tmp_path / "run", *ckpt)
+    assert rc == 0
+    log = (tmp_path / "run.log").read_text()
+    assert f"Loaded checkpoint {folder / 'step-4'} (full state)" in log and "damaged" not in log
+    assert resumed == straight8[4:]  # exact floats
     assert names(folder) == ["step-2", "step-4", "step-6", "step-8"]
 
 

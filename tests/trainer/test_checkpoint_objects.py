@@ -5,6 +5,7 @@ one line naming the URL, which prefixes count, are removed or are left alone, an
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -120,18 +121,65 @@ def test_only_marked_steps_count_and_only_kilns_killed_saves_are_removed(bucket:
     assert s3.keys("run/ckpt") == ["step-2/.kiln-saving", "step-2/.metadata", "step-2/kiln.json", "step-6/.metadata"]
 
 
-def _manager(url: str) -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
+def _manager(url: str, async_mode: str = "disabled") -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
     model, counter = torch.nn.Linear(8, 8, bias=False), StepCounter()
-    cfg = Checkpoint(enable_checkpoint=True, interval=1)
+    cfg = Checkpoint(enable_checkpoint=True, interval=1, async_mode=async_mode)
     return CheckpointManager(cfg, url, {"model": model, "train_state": counter}), model, counter
 
 
-def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step_loadable(
-    bucket: S3Server | GCSServer, monkeypatch: pytest.MonkeyPatch
+def test_async_uploads_run_in_the_background_marker_last_and_the_next_save_waits(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """async_mode async: maybe_save returns while step 1's upload is held back (not yet a checkpoint); the next save
+    waits for it; every object is uploaded off the training thread, step 1's all before step 2's, kiln.json last."""
+    url = s3.url("run/ckpt")
+    saver, model, counter = _manager(url, "async")
+    release = threading.Event()
+    order: list[tuple[bool, str]] = []  # (on the training thread, object)
+    write, upload = ObjectStore.write, ObjectStore.upload
+
+    def held(name: str) -> None:
+        if name.startswith("step-1/") and not name.endswith(".kiln-saving"):
+            assert release.wait(60)
+        order.append((threading.current_thread() is threading.main_thread(), name))
+
+    monkeypatch.setattr(ObjectStore, "write", lambda self, name, data: (held(name), write(self, name, data))[1])
+    monkeypatch.setattr(ObjectStore, "upload", lambda self, local, name: (held(name), upload(self, local, name))[1])
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    counter.step = 1
+    saver.maybe_save(1)  # returns with step 1's upload held
+    assert "step-1/kiln.json" not in s3.keys("run/ckpt") and saver._pending is not None
+    with torch.no_grad():
+        model.weight.fill_(2.0)  # training goes on: step 1's staged copy is what is uploaded
+    counter.step = 2
+    threading.Timer(0.5, release.set).start()
+    saver.maybe_save(2)  # waits for step 1's upload, then stages step 2
+    assert "step-1/kiln.json" in s3.keys("run/ckpt")
+    saver.close()
+    step1 = [name for main, name in order if name.startswith("step-1/") and not name.endswith(".kiln-saving")]
+    assert step1[-1] == "step-1/kiln.json" and "step-1/.metadata" in step1 and "step-1/__0_0.distcp" in step1
+    first_of_2 = next(i for i, (_, n) in enumerate(order) if n.startswith("step-2/") and not n.endswith("saving"))
+    assert order.index((False, "step-1/kiln.json")) < first_of_2
+    assert [n for main, n in order if main and not n.endswith(".kiln-saving")] == []  # all off the training thread
+    assert order[-1] == (False, "step-2/kiln.json")
+    loader, model, counter = _manager(url)
+    assert loader.load() == 2 and counter.step == 2 and bool((model.weight == 2).all())
+    loader.close()
+    s3.remove("run/ckpt/step-2/kiln.json")  # step 2 no longer counts: step 1 is the newest
+    loader, model, counter = _manager(url)
+    assert loader.load() == 1 and bool((model.weight == 1).all())  # the staged copy, not the later weights
+    loader.close()
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step_loadable(
+    bucket: S3Server | GCSServer, monkeypatch: pytest.MonkeyPatch, async_mode: str
+) -> None:
+    """Under async the failure is raised where the training loop meets the background upload: the next save."""
     s3 = bucket
     url = s3.url("run/ckpt")
-    saver, model, counter = _manager(url)
+    saver, model, counter = _manager(url, async_mode)
     with torch.no_grad():
         model.weight.fill_(1.0)
     counter.step = 1
@@ -147,6 +195,7 @@ def test_a_failed_upload_is_one_line_removes_its_prefix_and_leaves_the_last_step
     counter.step = 2
     with pytest.raises(CheckpointError) as e:
         saver.maybe_save(2)
+        saver.maybe_save(3)  # async: step 2's upload has failed in the background
     assert str(e.value).startswith(f"saving checkpoint step-2 into {url} failed (CheckpointError: object storage: ")
     assert f"{url}/step-1 is the newest complete checkpoint; the partial {url}/step-2/ was removed" in str(e.value)
     saver.close()

@@ -59,11 +59,13 @@ def file_checksum(path: str) -> str:
 
 class ChecksummingWriter(FileSystemWriter):
     """DCP's file writer, recording the checksum of every file this rank writes (module docstring); `sums` holds
-    them once written (object storage gathers them from every rank instead of reading the sidecars)."""
+    them once written (object storage gathers them from every rank instead of reading the sidecars), `bytes` their
+    size."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sums: dict[str, str] = {}
+        self.bytes = 0  # the size of the files it wrote
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         done = super().write_data(plan, planner)  # FileSystemWriter writes before it returns (a completed future)
@@ -72,6 +74,7 @@ class ChecksummingWriter(FileSystemWriter):
         rank = dist.get_rank() if dist.is_initialized() else 0
         write_atomic(os.path.join(self.path, f"{SIDECAR}{rank}.json"), json.dumps(sums).encode())
         self.sums = sums
+        self.bytes = sum(os.path.getsize(os.path.join(self.path, name)) for name in files)
         return done
 
 

@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -275,12 +276,32 @@ def _model_key_order(key: str) -> tuple[int, int]:
     return ({"tok_embeddings": 0, "norm": 2, "output": 3}.get(head, 4), 0)
 
 
-def _gathered(obj: Any) -> list[Any]:
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.1f} MB"
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A background save: DCP's future, what it saves, when it started, what staging cost the training loop."""
+
+    future: Any
+    step: int
+    weights_only: bool
+    t0: float
+    staged: float  # seconds the training loop spent staging it
+    writer: ChecksummingWriter
+
+
+def _gathered(obj: Any, group: Any = None) -> list[Any]:
     """`obj` of every rank, in rank order (itself alone without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)  # object collectives run on CPU (gloo) in kiln's process groups
+    dist.all_gather_object(out, obj, group=group)  # object collectives run on CPU (gloo) in kiln's process groups
     return out
 
 
@@ -327,7 +348,8 @@ class CheckpointManager:
                     use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
                 )
             )
-        self._pending: tuple[Any, int, bool, float] | None = None  # (future, step, weights_only, t0)
+        self._pending: _Pending | None = None  # the background save in flight
+        self._uploader: ThreadPoolExecutor | None = None  # object storage under async_mode: the upload's thread
         self.loaded: str | None = None  # the checkpoint load() loaded, None when it found none
 
     # ------------------------------------------------------------------ state dicts
@@ -590,12 +612,12 @@ class CheckpointManager:
         """Save at every `interval` steps and at the last step; finish a background save that is done."""
         if not self.enabled:
             return
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._pending.future.done():
             self._finish_pending()
         if not self.due(step, last):
             return
         weights_only = self._weights_only_save(last)
-        self._finish_pending()  # one save in flight at a time
+        self._finish_pending()  # one save in flight at a time: this step waits for the previous one's write
         self._save(step, weights_only, background=self.mode != "disabled" and not last)
 
     def _prepare(self, name: str) -> None:
@@ -641,6 +663,20 @@ class CheckpointManager:
             self._save(step, weights_only=False, background=False)
         return step_dir(self.folder, step)
 
+    def _saved_line(
+        self, name: str, seconds: float, n_bytes: int, stall: float, waited: float = 0.0, background: bool = False
+    ) -> str:
+        """`Saved checkpoint PATH in 2.10 s: 1.23 GB, training stalled 40 ms`: rank 0 gives the whole checkpoint's
+        size, another rank the size of its own files. `waited`: the part of the stall a later step spent waiting
+        for the background write to finish (the next save, or the end of training, came before it did)."""
+        size = _size(n_bytes) if self.rank == 0 else f"{_size(n_bytes)} written by rank {self.rank}"
+        line = f"Saved checkpoint {os.path.join(self.folder, name)} in {seconds:.2f} s"
+        line += f"{' (async)' if background else ''}: {size}"
+        line += f", training stalled {stall * 1e3:.0f} ms"
+        if waited >= 0.0005:
+            line += f" ({waited * 1e3:.0f} ms of it waiting for its {'upload' if self.store else 'write'} to finish)"
+        return line
+
     def _save(self, step: int, weights_only: bool, background: bool) -> None:
         t0 = time.perf_counter()
         dtype = self.cfg.export_dtype if weights_only else "float32"
@@ -650,10 +686,14 @@ class CheckpointManager:
             sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
         name = save_name(step, export=weights_only)
         self._prepare(name)
+        if self.store is not None and background:
+            self._upload_in_background(sd, step, weights_only, t0)
+            return
         if self.store is not None:
             with self._writing(name):
-                self._save_to_store(sd, step, weights_only)
-            logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
+                n_bytes = self._save_to_store(sd, step, weights_only)
+            seconds = time.perf_counter() - t0
+            logger.info(self._saved_line(name, seconds, n_bytes, seconds))
             return
         tmp = os.path.join(self.folder, name + ".tmp")
         if background:
@@ -661,54 +701,102 @@ class CheckpointManager:
             writer = ChecksummingWriter(tmp)  # checksums in the background thread that writes the files
             result = dcp.async_save(sd, checkpoint_id=tmp, storage_writer=writer, process_group=self._pg, **kwargs)
             future = getattr(result, "upload_completion", result)  # AsyncSaveResponse with a custom stager
-            self._pending = (future, step, weights_only, t0)
-            logger.info(f"Checkpoint {name}: staged in {time.perf_counter() - t0:.2f} s, writing in background")
+            staged = time.perf_counter() - t0
+            self._pending = _Pending(future, step, weights_only, t0, staged, writer)
+            logger.info(f"Checkpoint {name}: staged in {staged:.2f} s, writing in background")
             return
+        writer = ChecksummingWriter(tmp)
         with self._writing(name):
-            dcp.save(sd, checkpoint_id=tmp, storage_writer=ChecksummingWriter(tmp))
-            self._publish(step, weights_only)
-        logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s")
+            dcp.save(sd, checkpoint_id=tmp, storage_writer=writer)
+            n_bytes = self._publish(step, weights_only) or writer.bytes
+        seconds = time.perf_counter() - t0
+        logger.info(self._saved_line(name, seconds, n_bytes, seconds))
 
-    def _save_to_store(self, sd: dict[str, Any], step: int, weights_only: bool) -> None:
+    def _save_to_store(self, sd: dict[str, Any], step: int, weights_only: bool) -> int:
         """Object storage: DCP writes this rank's files into a local staging folder (checksummed as written), each
-        rank uploads its own; once all have, rank 0 uploads the index, then kiln.json last (objects.py)."""
-        assert self.store is not None
+        rank uploads its own; once all have, rank 0 uploads the index, then kiln.json last (objects.py). Returns the
+        bytes saved: the whole step's on rank 0, this rank's files' on the others."""
         name = save_name(step, export=weights_only)
         stage = tempfile.mkdtemp(prefix="kiln-stage-")
         try:
             local = os.path.join(stage, name)
             writer = ChecksummingWriter(local)
             dcp.save(sd, checkpoint_id=local, storage_writer=writer)
-            error = None
-            try:
-                upload_step(self.store, local, name, writer.sums)
-            except CheckpointError as e:
-                error = str(e)
-            results = _gathered((error, writer.sums))  # every rank's uploads done (or failed) before the index
-            error = next((e for e, _ in results if e is not None), None)
-            if error is not None:
-                raise CheckpointError(error)
-            if self.rank != 0:
-                return
-            checksums = {file: crc for _, sums in results for file, crc in sums.items()}
-            checksums[METADATA] = file_checksum(os.path.join(local, METADATA))
-            self.store.upload(os.path.join(local, METADATA), f"{name}/{METADATA}")
-            dtype = self.cfg.export_dtype if weights_only else "float32"
-            publish_object(self.store, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
-            purge_objects(self.store, self.cfg.keep_latest_k)
+            return self._upload(local, step, weights_only, writer)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
 
+    def _upload_in_background(self, sd: dict[str, Any], step: int, weights_only: bool, t0: float) -> None:
+        """Object storage under async_mode: staged in host memory now, as a folder save; the local write, the
+        uploads, the index and kiln.json (still last) in one background thread, in that order. The next save, a
+        preemption's and the end of training wait for it (_finish_pending), as for a folder."""
+        name = save_name(step, export=weights_only)
+        stage = tempfile.mkdtemp(prefix="kiln-stage-")
+        local = os.path.join(stage, name)
+        writer = ChecksummingWriter(local)
+        kwargs: dict[str, Any] = {"async_stager": self._stager} if self._stager is not None else {}
+        try:
+            result = dcp.async_save(sd, checkpoint_id=local, storage_writer=writer, process_group=self._pg, **kwargs)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        written: Any = getattr(result, "upload_completion", result)  # a Future (AsyncSaveResponse with a stager)
+
+        def upload() -> int:
+            try:
+                written.result()
+                return self._upload(local, step, weights_only, writer)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+
+        if self._uploader is None:
+            self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-upload")
+        staged = time.perf_counter() - t0
+        self._pending = _Pending(self._uploader.submit(upload), step, weights_only, t0, staged, writer)
+        logger.info(f"Checkpoint {name}: staged in {staged:.2f} s, uploading in background")
+
+    def _upload(self, local: str, step: int, weights_only: bool, writer: ChecksummingWriter) -> int:
+        """This rank's staged files of `step` uploaded; once every rank's are, rank 0 uploads `.metadata`, then
+        kiln.json, and applies keep_latest_k. The bytes saved (as _save_to_store's)."""
+        assert self.store is not None
+        name = save_name(step, export=weights_only)
+        error = None
+        try:
+            upload_step(self.store, local, name, writer.sums)
+        except CheckpointError as e:
+            error = str(e)
+        # every rank's uploads done (or failed) first; the async save's own group when in the background
+        results = _gathered((error, writer.sums, writer.bytes), self._pg)
+        error = next((e for e, _, _ in results if e is not None), None)
+        if error is not None:
+            raise CheckpointError(error)
+        if self.rank != 0:
+            return writer.bytes
+        checksums = {file: crc for _, sums, _ in results for file, crc in sums.items()}
+        checksums[METADATA] = file_checksum(os.path.join(local, METADATA))
+        self.store.upload(os.path.join(local, METADATA), f"{name}/{METADATA}")
+        dtype = self.cfg.export_dtype if weights_only else "float32"
+        publish_object(self.store, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
+        purge_objects(self.store, self.cfg.keep_latest_k)
+        return sum(n for _, _, n in results) + os.path.getsize(os.path.join(local, METADATA))
+
     def _finish_pending(self) -> None:
+        """Wait for the background save (if any) and publish it; the wait and the publish count as its stall."""
         if self._pending is None:
             return
-        future, step, weights_only, t0 = self._pending
-        self._pending = None
-        name = save_name(step, export=weights_only)
+        pending, self._pending = self._pending, None
+        t1 = time.perf_counter()
+        name = save_name(pending.step, export=pending.weights_only)
         with self._writing(name):
-            future.result()  # re-raises a failed background save
-            self._publish(step, weights_only)
-        logger.info(f"Saved checkpoint {os.path.join(self.folder, name)} in {time.perf_counter() - t0:.2f} s (async)")
+            uploaded = pending.future.result()  # re-raises a failed background save
+            waited = time.perf_counter() - t1
+            if self.store is not None:  # published in the background, kiln.json last
+                n_bytes = uploaded
+            else:
+                n_bytes = self._publish(pending.step, pending.weights_only) or pending.writer.bytes
+        now = time.perf_counter()
+        stall = pending.staged + now - t1
+        logger.info(self._saved_line(name, now - pending.t0, n_bytes, stall, waited, background=True))
 
     @contextlib.contextmanager
     def _writing(self, name: str) -> Iterator[None]:
@@ -764,19 +852,22 @@ class CheckpointManager:
             "credentials, permissions and reachability and run again to resume"
         ) from None
 
-    def _publish(self, step: int, weights_only: bool) -> None:
-        """Rank 0: make a finished save visible (marker, then rename), then apply keep_latest_k.
+    def _publish(self, step: int, weights_only: bool) -> int:
+        """Rank 0: make a finished save visible (marker, then rename), then apply keep_latest_k; return the bytes
+        of the published checkpoint (0 on the other ranks).
 
         Every rank's files are on disk by now: DCP's coordinator (rank 0) writes `.metadata` only after
         gathering all ranks' write results, and the save returns on rank 0 only after that.
         """
         if self.rank != 0:
-            return
+            return 0
         dtype = self.cfg.export_dtype if weights_only else "float32"
         name = save_name(step, export=weights_only)
         checksums = collect(os.path.join(self.folder, name + ".tmp"))  # every rank's files, and .metadata
-        publish(self.folder, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
+        final = publish(self.folder, name, {**self._marker(step, weights_only, dtype), "checksums": checksums})
+        n_bytes = _folder_bytes(final)
         purge(self.folder, self.cfg.keep_latest_k)
+        return n_bytes
 
     def close(self) -> None:
         """Wait for a background save to finish and publish it; let go of the folder lock."""
@@ -784,6 +875,9 @@ class CheckpointManager:
             if self.enabled:
                 self._finish_pending()
         finally:
+            if self._uploader is not None:
+                self._uploader.shutdown()
+                self._uploader = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
