@@ -50,13 +50,21 @@ def draw_shard(
     is: a shard of whole experts (FSDP's and expert parallelism's dim 0) is then a block of whole rows."""
     assert len(full_shape) in (1, 2, 3), f"{fqn}: layout-independent init handles 1-D to 3-D parameters"
     if len(full_shape) == 3:
-        assert tuple(shape[1:]) == tuple(full_shape[1:]), f"{fqn}: a 3-D parameter is sharded on dim 0 only"
-        per = full_shape[1]
-        flat = draw_shard(
-            init, seed, fqn, (full_shape[0] * per, full_shape[2]), (shape[0] * per, shape[2]),
-            (offset[0] * per, 0), device, generator,
-        )  # fmt: skip
-        return flat.view(shape)
+        per, flat_shape = full_shape[1], (full_shape[0] * full_shape[1], full_shape[2])
+        if tuple(shape[1:]) == tuple(full_shape[1:]):
+            flat = draw_shard(
+                init, seed, fqn, flat_shape, (shape[0] * per, shape[2]), (offset[0] * per, 0), device, generator
+            )
+            return flat.view(shape)
+        # Part of each expert (FSDP on dim 1 when there are fewer experts than ranks to shard them over): each
+        # local expert's rows and columns of the same [E x out, in] tensor.
+        return torch.stack([
+            draw_shard(
+                init, seed, fqn, flat_shape, tuple(shape[1:]), ((offset[0] + e) * per + offset[1], offset[2]),
+                device, generator,
+            )
+            for e in range(shape[0])
+        ])  # fmt: skip
     rows, cols = full_shape[0], (full_shape[1] if len(full_shape) == 2 else 1)
     local_rows, local_cols = shape[0], (shape[1] if len(shape) == 2 else 1)
     row0, col0 = offset[0], (offset[1] if len(offset) == 2 else 0)

@@ -176,6 +176,22 @@ def test_a_flipped_bit_in_the_bucket_stops_the_resume_naming_the_object(s3: S3Se
     )
 
 
+@pytest.mark.distributed
+def test_s3_a_flipped_bit_another_rank_finds_is_named_by_its_url(s3: S3Server, tmp_path: Path) -> None:
+    """2 ranks: rank 1 checks its own __1_0.distcp (read once); the line rank 0 prints names the object, not rank
+    1's download folder (each rank downloads into a temporary folder of its own)."""
+    url = s3.url("run2/checkpoint")
+    args = tiny_run_args("--job.dump_folder", str(tmp_path), "--model.n_layers", "2")
+    args += ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.folder", url]
+    run_kiln([*args, "--training.steps", "2"], ngpu=2, threads=1, check=True)
+    key = "run2/checkpoint/step-2/__1_0.distcp"
+    data = bytearray(s3.read(key))
+    data[len(data) // 2] ^= 0x01
+    s3.write(key, bytes(data))
+    proc = run_kiln([*args, "--training.steps", "4"], ngpu=2, threads=1)
+    assert_one_line_error(proc, f"checkpoint file {url}/step-2/__1_0.distcp is damaged: its checksum is crc32:")
+
+
 def test_a_held_lock_object_stops_a_second_run_naming_the_holder(bucket: S3Server | GCSServer, tmp_path: Path) -> None:
     s3 = bucket
     url = s3.url("run/checkpoint")

@@ -130,6 +130,19 @@ def test_expert_weights_drawn_by_expert_shard_are_the_whole_tensors() -> None:
     assert not torch.equal(whole[0], whole[1])  # each expert its own values
 
 
+def test_expert_weights_drawn_by_part_of_each_expert_are_the_whole_tensors() -> None:
+    """Fewer experts than the ranks sharding them (EP 2 x efsdp 2 with 2 experts): FSDP shards dim 1, each rank
+    holding part of an expert's rows; each part holds the whole tensor's values (it used to fail an assertion)."""
+    full_shape, gen = (2, 6, 4), torch.Generator()
+    fqn, init = "layers.0.moe.experts.w1", trunc(0.02)
+    whole = draw_shard(init, 7, fqn, full_shape, full_shape, (0, 0, 0), torch.device("cpu"), gen)
+    for e0, o0, n in ((0, 0, 3), (0, 3, 3), (1, 0, 3), (1, 2, 4), (0, 1, 2)):
+        part = draw_shard(init, 7, fqn, full_shape, (1, n, 4), (e0, o0, 0), torch.device("cpu"), gen)
+        assert torch.equal(part, whole[e0 : e0 + 1, o0 : o0 + n]), (e0, o0, n)
+    both = draw_shard(init, 7, fqn, full_shape, (2, 3, 2), (0, 3, 2), torch.device("cpu"), gen)
+    assert torch.equal(both, whole[:, 3:, 2:])
+
+
 def test_dry_run_prints_total_and_active_params_and_the_qk_norm_tp_style() -> None:
     moe = dry_run(_cfg("--model.name", "qwen3", "--model.flavor", "debugmodel_moe"))
     assert "kiln dry run: qwen3 debugmodel_moe, 4 layers, MoE 8 experts (top 2)" in moe

@@ -86,3 +86,31 @@ def test_a_nan_in_the_part_a_rank_reads_is_refused(tmp_path: Path) -> None:
     source = open_source(str(tmp_path))
     with pytest.raises(CheckpointError, match="'norm.weight' holds NaN or infinite values"):
         load_initial(source, read_once.Transformer(source.args))
+
+
+def test_an_hf_moe_loads_into_one_pipeline_stage(tmp_path: Path) -> None:
+    """A Qwen3-MoE folder into a stage holding layer 0 only (PP 2's first stage): the expert bias of layer 1, in no
+    HF file and held by the other stage, is not refused for the empty box this stage reads of it; layer 0 gets the
+    weights a whole-model load gives."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from models import Transformer
+    from trainer.checkpoint.initial_load import load_initial, open_source
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    source = open_source(str(tmp_path))
+    whole = Transformer(source.args)
+    load_initial(source, whole)
+    stage = Transformer(source.args)
+    del stage.layers["1"]
+    stage.norm, stage.output = None, None  # type: ignore[assignment]
+    kept = stage.state_dict()
+    elsewhere = {k: tuple(v.shape) for k, v in whole.state_dict().items() if k not in kept}
+    assert "layers.1.moe.expert_bias" in elsewhere
+    load_initial(source, stage, elsewhere)
+    assert kept and all(torch.equal(v, whole.state_dict()[k]) for k, v in stage.state_dict().items())

@@ -36,7 +36,7 @@ from kiln_base.internals import shard_offset
 from models.args import ModelArgs, stored_model_args
 from trainer.checkpoint.checksums import verify
 from trainer.checkpoint.folder import MARKER_LIMIT, agree
-from trainer.checkpoint.hf import is_hf_folder, iter_hf_as_kiln, kiln_shapes, read_hf_args
+from trainer.checkpoint.hf import EXPERT_BIAS, is_hf_folder, iter_hf_as_kiln, kiln_shapes, read_hf_args
 from trainer.checkpoint.manager import MARKER, read_metadata, resolve_step_dir
 from trainer.checkpoint.reader import check_loaded_state
 
@@ -199,7 +199,13 @@ def _load_local(source: InitialSource, model: nn.Module, held_elsewhere: Mapping
         # other stages hold; what each read is checked, and every rank raises the first refusal (agree).
         error = None
         seen = set()
-        stored = kiln_shapes(source.args)
+        # The shapes whole weights have (a box's tensor is smaller): the files' weights and the expert bias, which
+        # no file holds (iter_hf_as_kiln yields it as zeros, in its box: empty for another stage's layer).
+        args = source.args
+        stored = kiln_shapes(args)
+        stored |= {
+            f"layers.{i}.{EXPERT_BIAS}": (args.moe_num_experts,) for i in range(args.n_layers if args.moe else 0)
+        }
         boxes = {k: _kept(t) for k, t in targets.items()}
         boxes |= {k: ((0,) * len(s), (0,) * len(s)) for k, s in elsewhere.items() if k not in targets}
         for name, part in iter_hf_as_kiln(source.path, source.args, boxes.get):

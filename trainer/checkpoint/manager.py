@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -409,7 +410,9 @@ class CheckpointManager:
         try:
             yield local
         except CheckpointError as e:
-            raise type(e)(str(e).replace(local, entry.path)) from None
+            # Any rank's download: a refusal agreed over the ranks names the folder of the rank that found it.
+            copies = re.escape(os.path.dirname(os.path.dirname(local))) + r"/kiln-download-[^/\s]+/"
+            raise type(e)(re.sub(copies + re.escape(entry.name) + r"\b", lambda _: entry.path, str(e))) from None
 
     def _read_metadata(self, entry: Entry) -> Metadata:
         with self._local(entry) as local:  # object storage: the index against the listed objects' sizes
