@@ -12,14 +12,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-BUCKET = "kiln-test"
+from tests.helpers.s3_server import BUCKET, BucketServer
+
 # gcsfs otherwise asks a bucket's type over gRPC first, which the emulator does not answer (up to 60 s a bucket); read
 # when gcsfs is imported, so set for the test process itself before anything imports it (kiln's processes: `env`)
 ZONAL_OFF = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 os.environ.update(ZONAL_OFF)
 
 
-class GCSServer:
+class GCSServer(BucketServer):
     """fake-gcs-server on 127.0.0.1:<free port> with bucket BUCKET; `env` points kiln at it."""
 
     scheme = "gs"
@@ -46,29 +47,3 @@ class GCSServer:
             skip_instance_cache=True,
             use_listings_cache=False,
         )
-
-    def url(self, prefix: str) -> str:
-        return f"gs://{BUCKET}/{prefix}"
-
-    def keys(self, prefix: str) -> list[str]:
-        """Every key under `prefix` in the bucket, relative to it, sorted."""
-        root = f"{BUCKET}/{prefix}"
-        return sorted(k[len(root) + 1 :] for k in self.fs.find(root))
-
-    def read(self, key: str) -> bytes:
-        return self.fs.cat_file(f"{BUCKET}/{key}")
-
-    def write(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(f"{BUCKET}/{key}", data)
-
-    def remove(self, key: str) -> None:
-        self.fs.rm_file(f"{BUCKET}/{key}")
-
-    def stop(self) -> None:
-        self._server.stop()
-
-    def __enter__(self) -> GCSServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -16,7 +16,43 @@ from tests.helpers.common import free_port
 BUCKET = "kiln-test"
 
 
-class S3Server:
+class BucketServer:
+    """What a test asks of a bucket on a local server, whichever store (S3Server, GCSServer): its `fs` (an fsspec
+    filesystem on the server), `scheme`, `env` and `_server` (stopped at the end) are the subclass's."""
+
+    scheme: str
+    fs: Any
+    env: dict[str, str]  # what kiln's processes need to reach the server
+    _server: Any
+
+    def url(self, prefix: str) -> str:
+        return f"{self.scheme}://{BUCKET}/{prefix}"
+
+    def keys(self, prefix: str) -> list[str]:
+        """Every key under `prefix` in the bucket, relative to it, sorted."""
+        root = f"{BUCKET}/{prefix}"
+        return sorted(k[len(root) + 1 :] for k in self.fs.find(root))
+
+    def read(self, key: str) -> bytes:
+        return self.fs.cat_file(f"{BUCKET}/{key}")
+
+    def write(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(f"{BUCKET}/{key}", data)
+
+    def remove(self, key: str) -> None:
+        self.fs.rm_file(f"{BUCKET}/{key}")
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def __enter__(self) -> BucketServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class S3Server(BucketServer):
     """moto's ThreadedMotoServer on 127.0.0.1:<free port> with bucket BUCKET; `env` points kiln at it."""
 
     scheme = "s3"
@@ -50,29 +86,3 @@ class S3Server:
             skip_instance_cache=True,
             use_listings_cache=False,
         )
-
-    def url(self, prefix: str) -> str:
-        return f"s3://{BUCKET}/{prefix}"
-
-    def keys(self, prefix: str) -> list[str]:
-        """Every key under `prefix` in the bucket, relative to it, sorted."""
-        root = f"{BUCKET}/{prefix}"
-        return sorted(k[len(root) + 1 :] for k in self.fs.find(root))
-
-    def read(self, key: str) -> bytes:
-        return self.fs.cat_file(f"{BUCKET}/{key}")
-
-    def write(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(f"{BUCKET}/{key}", data)
-
-    def remove(self, key: str) -> None:
-        self.fs.rm_file(f"{BUCKET}/{key}")
-
-    def stop(self) -> None:
-        self._server.stop()
-
-    def __enter__(self) -> S3Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
