@@ -96,9 +96,7 @@ CPU_RANKS_PER_CORE = 4  # oversubscribed CPU ranks still make progress (the 2-co
 def _nproc(value: str | None) -> int:
     """NGPU: ranks on this node, at most one per GPU, or on a node without GPUs CPU_RANKS_PER_CORE per core
     (every rank is a process with its pipes and threads: NGPU=100000 once forked until the node ran out of files)."""
-    import torch  # only to count GPUs; torchrun imports it anyway
-
-    gpus = torch.cuda.device_count()
+    gpus = _gpu_count()
     if value is None or value == "":
         return gpus or 1
     digits, shown = value.lstrip("0"), value if len(value) <= 20 else value[:17] + "..."
@@ -113,6 +111,20 @@ def _nproc(value: str | None) -> int:
             f"{CPU_RANKS_PER_CORE * cores} CPU ranks ({CPU_RANKS_PER_CORE} a core)"
         )
     return n
+
+
+# A node with GPUs has one of these device files (NVIDIA's driver, AMD's ROCm, WSL's GPU bridge). Without any, the
+# node has none and a launch that stops at a config mistake never imports torch (~1 s of its ~1.3 s, a refusal).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _gpu_count() -> int:
+    """The GPUs torch sees; 0 without importing torch on a node that has no GPU device file."""
+    if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return 0
+    import torch  # torchrun imports it anyway
+
+    return torch.cuda.device_count()
 
 
 def _count(env: Mapping[str, str], name: str, default: int, minimum: int, what: str) -> int:
@@ -233,7 +245,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     # OpenMP threads that spin while they wait for each other are ruinous on shared cores: a thread spins while the
     # one it waits for is descheduled. The debug run on a 2-core machine shared with other jobs took 4.5-7.7 min
     # with libgomp's default and 1.2-1.5 min with passive waiting (docs/performance.md). Yours to override. Set
-    # before this process imports torch (counting GPUs): OpenMP reads it once, and forked ranks inherit its state.
+    # before this process imports torch (for torchrun): OpenMP reads it once, and forked ranks inherit its state.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         nproc = _nproc(os.environ.get("NGPU"))
@@ -271,7 +283,6 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
         # the first round's in the agent that was node 0 then: a restart after that node died waits for a store
         # that is gone, and a replacement node never joins (seen in tests/e2e/test_multinode.py's kill test).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    import torch
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -286,7 +297,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     ]
     torchrun = parse_args(torchrun_args)
     launch = functools.partial(run, torchrun)
-    if torch.cuda.device_count() == 0:
+    if _gpu_count() == 0:
         # No GPU: torchrun forks the ranks from this process once it has imported the Trainer (and torchao for a
         # float8 run) instead of starting interpreters that each import them again (docs/performance.md). With
         # GPUs the ranks stay fresh interpreters, as `torchrun train.py` starts them: CUDA does not survive a fork

@@ -498,3 +498,16 @@ def test_validating_on_the_training_data_is_said_at_start(held_out: bool, tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warned = [line for line in proc.stdout.splitlines() if "Validation reads the training data" in line]
     assert len(warned) == (0 if held_out else 1), proc.stdout[-3000:]
+
+
+def test_a_config_mistake_on_a_node_without_gpus_is_refused_without_importing_torch(tmp_path: Path) -> None:
+    """No GPU device file: the GPU count is 0 without torch, so a mistake the config shows costs no torch import
+    (~1 s of CPU a refusal, before); with one, torch counts the GPUs as it always did."""
+    code = (
+        "import sys, launch; launch.GPU_DEVICE_FILES = {files!r}; status = launch.main(['--training.stepz', '3']); "
+        "print(status, 'torch' in sys.modules)"
+    )
+    for files, torch_imported in (((), False), ((sys.executable,), True)):
+        proc = run_python(code.format(files=files))
+        assert proc.stdout.split() == ["2", str(torch_imported)], proc.output[-2000:]
+        assert proc.stderr.startswith("kiln: error: --training.stepz: unknown key"), proc.stderr
