@@ -68,10 +68,10 @@ def test_a_lasting_failure_is_one_line_naming_the_url_after_the_tries(s3: S3Serv
     with pytest.raises(CheckpointError) as e:
         _store(s3, fs, waits).listing()
     assert str(e.value).startswith(
-        f"object storage: listing {s3.url('run/ckpt')}/ failed after {objects.RETRIES} tries: TimeoutError: read timed "
-        "out (check the network, the credentials and AWS_ENDPOINT_URL)"
+        f"object storage: listing {s3.url('run/ckpt')}/ failed after {objects.TRIES['s3']} tries: TimeoutError: read "
+        "timed out (check the network, the credentials and AWS_ENDPOINT_URL)"
     )
-    assert fs.calls == objects.RETRIES and waits == [1.0, 2.0, 4.0, 8.0]
+    assert fs.calls == objects.TRIES["s3"] and waits == [1.0, 2.0, 4.0, 8.0]
 
 
 def test_a_refused_permission_is_not_retried(s3: S3Server) -> None:
@@ -96,6 +96,30 @@ def test_a_gcs_refused_permission_is_not_retried(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(CheckpointError, match="failed: OSError: Forbidden: "):
         store.listing()
     assert fs.calls == 1 and waits == []
+
+
+def test_an_unreachable_gcs_is_one_line_after_two_kiln_tries_of_gcsfs_six(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Real gcsfs against a closed port: gcsfs tries each request 6 times (5 waits), kiln tries that twice (one wait)
+    and says it in one line; gcsfs's traceback per given-up request stays out of the log (it went to stderr)."""
+    import gcsfs.retry
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # nothing listens on port 9 here
+    gcsfs_waits: list[float] = []
+
+    async def no_wait(seconds: float) -> None:
+        gcsfs_waits.append(seconds)
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", type("_Asyncio", (), {"sleep": staticmethod(no_wait)}))
+    waits: list[float] = []
+    with pytest.raises(CheckpointError) as e:
+        ObjectStore("gs://kiln-test/run/ckpt", sleep=waits.append).listing()
+    assert str(e.value).startswith(
+        "object storage: listing gs://kiln-test/run/ckpt/ failed after 2 tries: ClientConnectorError: Cannot connect"
+    ), e.value
+    assert waits == [1.0] and len(gcsfs_waits) == 2 * 5
+    assert not [r for r in caplog.records if r.name.startswith("gcsfs")], caplog.records
 
 
 def test_missing_credentials_are_not_retried(s3: S3Server) -> None:
@@ -128,10 +152,12 @@ def _manager(url: str, async_mode: str = "disabled") -> tuple[CheckpointManager,
 
 
 def test_async_uploads_run_in_the_background_marker_last_and_the_next_save_waits(
-    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+    bucket: S3Server | GCSServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """async_mode async: maybe_save returns while step 1's upload is held back (not yet a checkpoint); the next save
-    waits for it; every object is uploaded off the training thread, step 1's all before step 2's, kiln.json last."""
+    """async_mode async, to S3 and to GCS: maybe_save returns while step 1's upload is held back (not yet a
+    checkpoint); the next save waits for it; every object is uploaded off the training thread, step 1's all before
+    step 2's, kiln.json last."""
+    s3 = bucket
     url = s3.url("run/ckpt")
     saver, model, counter = _manager(url, "async")
     release = threading.Event()

@@ -25,9 +25,11 @@ Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metada
   fsspec's pipe_file mode="create" in both), which the store refuses
   when the object exists, so two jobs cannot both take it; the run deletes it when it ends. A run killed without
   its end (SIGKILL, a lost node) leaves it: the next run refuses, naming the holder and the object to delete.
-- Every request is retried with backoff (RETRIES tries, BACKOFF_S doubling: 15 s of waits, on top of botocore's and
-  s3fs's own retries: a refused connection takes ~8 s a try, ~53 s in all), then fails as one CheckpointError line
-  naming the URL; no such bucket or a refused permission is not retried.
+- Every request is retried with backoff (TRIES per scheme, BACKOFF_S doubling: on S3 5 tries, 15 s of waits, on top
+  of botocore's and s3fs's own retries: a refused connection takes ~8 s a try, ~53 s in all; on GCS 2, as gcsfs
+  retries each request 6 times itself over ~31 s of waits), then fails as one CheckpointError line naming the URL;
+  no such bucket or a refused permission is not retried. gcsfs's own log records (a traceback per request it gives
+  up) are kept off stderr: kiln's warning per try and its one line say it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ from trainer.checkpoint.folder import (
 
 logger = logging.getLogger("kiln")
 
-RETRIES = 5
+# kiln's tries per scheme: gcsfs already retries a failed connection, a 5xx, 408 or 429 six times with doubling
+# waits (~31 s), so 5 kiln tries of it took 200 s to report an unreachable store; botocore tries 5 times without
+# waiting long, so S3 keeps kiln's 5.
+TRIES = {"s3": 5, "gs": 2}
 BACKOFF_S = 1.0  # then 2, 4, 8 s: ~15 s of waiting before a request is given up
 METADATA = ".metadata"
 HEAD = (METADATA, MARKER)  # what a load downloads of every step it considers; the data files only of the chosen one
@@ -103,7 +108,10 @@ class ObjectStore:
 
         self.url = url.rstrip("/")
         self.sleep = sleep
-        self.hints = _HINTS["s3" if url.startswith("s3://") else "gs"]
+        scheme = "s3" if url.startswith("s3://") else "gs"
+        self.hints, self.tries = _HINTS[scheme], TRIES[scheme]
+        if scheme == "gs":  # gcsfs logs a traceback for each request it gives up; kiln says it in one line
+            logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
         # No listing cache: kiln lists right after it writes or deletes, and must see what is there now.
         self.fs, self.root = url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
         self.root = self.root.rstrip("/")
@@ -115,10 +123,10 @@ class ObjectStore:
         return f"{self.url}/{name}"
 
     def retried(self, what: str, name: str, fn: Callable[[], T], absent_ok: bool = False) -> T:
-        """fn(), tried again after a transient failure (a timeout, a dropped connection, a 5xx), RETRIES times in
+        """fn(), tried again after a transient failure (a timeout, a dropped connection, a 5xx), `tries` times in
         all with doubling waits; then one CheckpointError naming the URL. A refused permission or a missing bucket
         is one at once; with `absent_ok` a missing object raises FileNotFoundError (the caller asked if it exists)."""
-        for attempt in range(1, RETRIES + 1):
+        for attempt in range(1, self.tries + 1):
             try:
                 return fn()
             except FileNotFoundError:
@@ -137,9 +145,9 @@ class ObjectStore:
                             else ""
                         )
                     ) from None
-                if attempt == RETRIES:
+                if attempt == self.tries:
                     raise CheckpointError(
-                        f"object storage: {what} {self.where(name)} failed after {RETRIES} tries: {_reason(e)} "
+                        f"object storage: {what} {self.where(name)} failed after {self.tries} tries: {_reason(e)} "
                         f"(check the network, the credentials and {self.hints[1]})"
                     ) from None
                 logger.warning(f"object storage: {what} {self.where(name)} failed ({_reason(e)}); trying again")
