@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch._inductor.config
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -180,10 +179,8 @@ def test_compiled_flex_attention_takes_a_new_block_mask_every_batch_without_reco
     On a GPU a recompile per batch would cost more than the mask saves."""
     q, k, v, _ = _qkv_and_tokens()
     fn = torch.compile(lambda q, k, v, m: flex_attention(q, k, v, block_mask=m), fullgraph=True)
-    # inductor's CPU flex template needs a SIMD ISA, which the suite turns off elsewhere (tests/conftest.py)
-    simd = torch._inductor.config.patch({"cpp.vec_isa_ok": None})
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad(), simd:
+    with torch.no_grad():
         for i in range(4):
             tokens = torch.randint(0, 1900, (2, 80), generator=g)
             tokens[:, torch.randint(0, 80, (i + 1,), generator=g)] = BOS
