@@ -38,13 +38,6 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])  # decided at its import
 
-# Inductor's C++ kernels without SIMD in the suite: a compiled test on a CPU spends most of its time in g++, and scalar
-# kernels compile faster (the compiled document-mask test, cold cache: 37.6 s with inductor's default, 25.0 s without,
-# 2026-12-03). The tests pin what compiles, what recompiles and the numbers at stated tolerances, not the kernels'
-# speed; runs outside the suite keep inductor's default. Spawned kiln processes inherit it.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-torch._inductor.config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
-
 # Under pytest-xdist each worker is one of several test processes sharing the cores: one intra-op thread each, as
 # the spawned ranks have (tests/helpers/distributed.py), so idle OpenMP threads do not spin against the other worker.
 if os.environ.get("PYTEST_XDIST_WORKER"):
