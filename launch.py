@@ -93,10 +93,10 @@ class QuietAfterRankLine:
 CPU_RANKS_PER_CORE = 4  # oversubscribed CPU ranks still make progress (the 2-core CI runs 4); more only thrash
 
 
-def _nproc(value: str | None) -> int:
-    """NGPU: ranks on this node, at most one per GPU, or on a node without GPUs CPU_RANKS_PER_CORE per core
-    (every rank is a process with its pipes and threads: NGPU=100000 once forked until the node ran out of files)."""
-    gpus = _gpu_count()
+def _nproc(value: str | None, gpus: int) -> int:
+    """NGPU: ranks on this node, at most one per GPU (of `gpus`), or on a node without GPUs CPU_RANKS_PER_CORE per
+    core (every rank is a process with its pipes and threads: NGPU=100000 once forked until the node ran out of
+    files)."""
     if value is None or value == "":
         return gpus or 1
     digits, shown = value.lstrip("0"), value if len(value) <= 20 else value[:17] + "..."
@@ -247,8 +247,9 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     # with libgomp's default and 1.2-1.5 min with passive waiting (docs/performance.md). Yours to override. Set
     # before this process imports torch (for torchrun): OpenMP reads it once, and forked ranks inherit its state.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    gpus = _gpu_count()
     try:
-        nproc = _nproc(os.environ.get("NGPU"))
+        nproc = _nproc(os.environ.get("NGPU"), gpus)
         log_rank = _log_ranks(os.environ.get("LOG_RANK") or "0", nproc)
         nodes = node_layout(os.environ)
         max_restarts = _count(os.environ, "MAX_RESTARTS", 0, 0, "torchrun's restarts of a failed job")
@@ -297,7 +298,7 @@ def _launch(argv: list[str], error_file: str, real_stderr: TextIO) -> int:
     ]
     torchrun = parse_args(torchrun_args)
     launch = functools.partial(run, torchrun)
-    if _gpu_count() == 0:
+    if gpus == 0:
         # No GPU: torchrun forks the ranks from this process once it has imported the Trainer (and torchao for a
         # float8 run) instead of starting interpreters that each import them again (docs/performance.md). With
         # GPUs the ranks stay fresh interpreters, as `torchrun train.py` starts them: CUDA does not survive a fork

@@ -102,7 +102,7 @@ def test_an_unreachable_gcs_is_one_line_after_two_kiln_tries_of_gcsfs_six(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Real gcsfs against a closed port: gcsfs tries each request 6 times (5 waits), kiln tries that twice (one wait)
-    and says it in one line; gcsfs's traceback per given-up request stays out of the log (it went to stderr)."""
+    and says it in one line; gcsfs's ERROR record with a traceback per given-up request stays out of the log."""
     import gcsfs.retry
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # nothing listens on port 9 here

@@ -29,7 +29,7 @@ Layout: the local folder's names as key prefixes: `{url}/step-N/` holds `.metada
   of botocore's and s3fs's own retries: a refused connection takes ~8 s a try, ~53 s in all; on GCS 2, as gcsfs
   retries each request 6 times itself over ~31 s of waits), then fails as one CheckpointError line naming the URL;
   no such bucket or a refused permission is not retried. gcsfs's own log records (a traceback per request it gives
-  up) are kept off stderr: kiln's warning per try and its one line say it.
+  up) are kept out of the log: kiln's warning per try and its one line say it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ logger = logging.getLogger("kiln")
 # waits (~31 s), so 5 kiln tries of it took 200 s to report an unreachable store; botocore tries 5 times without
 # waiting long, so S3 keeps kiln's 5.
 TRIES = {"s3": 5, "gs": 2}
-BACKOFF_S = 1.0  # then 2, 4, 8 s: ~15 s of waiting before a request is given up
+BACKOFF_S = 1.0  # then 2, 4, 8 s: S3's 5 tries wait ~15 s before a request is given up
 METADATA = ".metadata"
 HEAD = (METADATA, MARKER)  # what a load downloads of every step it considers; the data files only of the chosen one
 # The names a step prefix may hold that kiln downloads: DCP's index, kiln.json and the ranks' data files.
@@ -110,7 +110,7 @@ class ObjectStore:
         self.sleep = sleep
         scheme = "s3" if url.startswith("s3://") else "gs"
         self.hints, self.tries = _HINTS[scheme], TRIES[scheme]
-        if scheme == "gs":  # gcsfs logs a traceback for each request it gives up; kiln says it in one line
+        if scheme == "gs":  # gcsfs logs an ERROR and traceback for each request it gives up; kiln says it in one line
             logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
         # No listing cache: kiln lists right after it writes or deletes, and must see what is there now.
         self.fs, self.root = url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
