@@ -29,8 +29,15 @@ fully_shard then shards it again over `efsdp` (parallelize.apply_fsdp). An exper
 `ep` ranks; it is divided by `ep` in the backward (mean_over_ep), and FSDP's average over the experts' group
 (efsdp, and dp_replicate) makes it the mean over every data-parallel (and CP) rank, as a dense weight's is.
 
-Not composed yet (refused in kiln_base/config/checks.py): tensor parallelism and torch.compile (the split sizes
-are a host sync, a graph break under fullgraph).
+Under tensor parallelism (torchtitan's expert_tensor_parallel_degree 1) the TP ranks join the EP group too: an MoE
+layer takes its input sequence-sharded, as the block's norms leave it, and each TP rank routes and dispatches its
+own part of the sequence like a data rank (`MoEOnLocalTokens`); the router's weight is replicated over the TP
+ranks, its gradient summed over their tokens (`ReplicatedOnLocalTokens`); shared experts run column-/row-wise
+over all the TP ranks' tokens (parallelize.apply_tp). An expert's gradient is divided by the group's data ranks,
+ep / tp, not by ep: its TP ranks' tokens are parts of the same sequences.
+
+Not composed yet (refused in kiln_base/config/checks.py): torch.compile (the split sizes are a host sync, a graph
+break under fullgraph).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from kiln_base.config import Degrees
 from kiln_base.internals import all_to_all_counts, all_to_all_rows
@@ -54,13 +62,15 @@ class ExpertParallelExperts(nn.Module):
     """A GroupedExperts whose experts are split over `ep_mesh`: the same call, the same parameter names (w1, w2, w3:
     DTensors Shard(0) over the experts), the same result."""
 
-    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh, data_ranks: int) -> None:
+        """`data_ranks`: the ranks of the EP group that read different batches (ep / tp: under TP the group's TP
+        ranks route parts of the same sequences), which an expert's summed gradient is divided by."""
         super().__init__()
         assert experts.num_experts % ep_mesh.size() == 0, "the plan refuses experts that do not divide over EP"
         self.num_experts = experts.num_experts  # all of them: the router's counts are [E]
         self.use_grouped_mm = experts.use_grouped_mm
         self.gemm = experts.gemm  # float8 on the experts (converted before EP): the local experts run it too
-        self.ep_mesh = ep_mesh
+        self.ep_mesh, self.data_ranks = ep_mesh, data_ranks
         for name in EXPERT_WEIGHTS:  # on the meta device before init: distributing allocates nothing
             self.register_parameter(name, nn.Parameter(distribute_tensor(getattr(experts, name), ep_mesh, [Shard(0)])))
 
@@ -81,7 +91,7 @@ class ExpertParallelExperts(nn.Module):
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=x.device)
         rows = all_to_all_rows(x, recv, send, group)
-        w1, w2, w3 = (mean_over_ep(local_weight(getattr(self, name)), ep) for name in EXPERT_WEIGHTS)
+        w1, w2, w3 = (mean_over_ep(local_weight(getattr(self, name)), self.data_ranks) for name in EXPERT_WEIGHTS)
         out = swiglu_experts(rows[order], received.sum(dim=0), w1, w2, w3, self.use_grouped_mm, gemm=self.gemm)
         return all_to_all_rows(out[inverse], send, recv, group)
 
@@ -100,9 +110,11 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def mean_over_ep(w: torch.Tensor, ep: int) -> torch.Tensor:
-    """`w`, whose gradient is divided by `ep`. An expert's gradient sums the tokens of all `ep` ranks (each rank's
-    loss is its own tokens' mean): / ep makes it their mean, as a dense weight's gradient is after FSDP's average
-    over the data-parallel ranks; the experts' FSDP group (efsdp, and dp_replicate) then averages over the rest.
+    """`w`, whose gradient is divided by `ep` (the EP group's data ranks). An expert's gradient sums the tokens of
+    all the group's ranks (each data rank's loss is its own tokens' mean; TP ranks hold parts of the same
+    sequences, whose gradients add up to their data rank's): / ep makes it the data ranks' mean, as a dense weight's
+    gradient is after FSDP's average over the data-parallel ranks; the experts' FSDP group (efsdp, and
+    dp_replicate) then averages over the rest.
     Here rather than in FSDP's divide factor: a factor other than the group size is a PREMUL_SUM reduce-scatter,
     which gloo does not run."""
     return _ScaleGrad.apply(w, 1.0 / ep)
@@ -113,13 +125,13 @@ def local_weight(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> int:
-    """Give every MoE layer of `model` (meta device, before FSDP) expert-parallel experts over `ep_mesh`; the number
-    of layers changed."""
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, data_ranks: int) -> int:
+    """Give every MoE layer of `model` (meta device, before FSDP) expert-parallel experts over `ep_mesh`, whose
+    `data_ranks` read different batches (ExpertParallelExperts); the number of layers changed."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for moe in layers:
         assert isinstance(moe.experts, GroupedExperts)
-        moe.register_module("experts", ExpertParallelExperts(moe.experts, ep_mesh))
+        moe.register_module("experts", ExpertParallelExperts(moe.experts, ep_mesh, data_ranks))
     return len(layers)
 
 
@@ -129,3 +141,36 @@ def expert_shard_placement(num_experts: int, degrees: Degrees) -> Callable[[nn.P
     if degrees.efsdp * degrees.ep <= num_experts:
         return None
     return lambda param: Shard(1)
+
+
+class MoEOnLocalTokens(ParallelStyle):
+    """TP for an MoE layer: its input, sequence-sharded (Shard(1)) by the block's norm, enters as this rank's own
+    tokens (a plain tensor; the router, dispatch and experts run on them as on a data rank), and its output is this
+    rank's part of the sequence, as the attention's row-wise output is for the residual. The routing statistics
+    stay this rank's."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def local_input(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            (x,) = args
+            assert isinstance(x, DTensor) and x.placements == (Shard(1),), "the norm leaves the sequence sharded"
+            return (x.to_local(),)
+
+        module.register_forward_pre_hook(local_input)
+        return module
+
+
+class ReplicatedOnLocalTokens(ParallelStyle):
+    """TP for a Linear fed this rank's tokens (rows) only, the MoE router's gate: its weight replicated over the TP
+    ranks, its input the rows Shard(0), so the weight's gradient is the sum over every TP rank's rows (a Partial
+    gradient, reduced by FSDP or in the optimizer's DTensor ops); its output this rank's rows, a plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for key, param in list(module.named_parameters(recurse=False)):  # meta before init: allocates nothing
+            module.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()])))
+
+        def rows(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(DTensor.from_local(a, device_mesh, [Shard(0)], run_check=False) for a in args)
+
+        module.register_forward_pre_hook(rows)
+        module.register_forward_hook(lambda _, __, out: out.to_local())
+        return module

@@ -29,10 +29,10 @@ class ParallelDims:
         cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1, pp: int = 1, ep: int = 1
     ) -> ParallelDims:
         """Degrees given by hand (dp_shard -1: the rest of the world size), checked to multiply to it; `ep` must
-        divide the resolved dp_shard x cp, as a multiple of cp (the plan checks it for a config)."""
+        divide the resolved dp_shard x cp x tp, as a multiple of cp x tp (the plan checks it for a config)."""
         dp_shard = resolve_dp_shard(dp_replicate, dp_shard, tp, world_size, cp=cp, pp=pp)
-        assert ep % cp == 0 or ep == 1, f"expert_parallel_degree {ep} must be a multiple of cp {cp}"
-        assert dp_shard % max(ep // cp, 1) == 0, f"expert_parallel_degree {ep} must divide dp_shard {dp_shard} x {cp}"
+        assert ep % (cp * tp) == 0 or ep == 1, f"expert_parallel_degree {ep} must be a multiple of cp x tp {cp * tp}"
+        assert dp_shard % max(ep // (cp * tp), 1) == 0, f"expert_parallel_degree {ep} must divide dp_shard x cp x tp"
         return cls(Degrees(pp, dp_replicate, dp_shard, cp, tp, ep))
 
     @property
@@ -125,14 +125,17 @@ class ParallelDims:
         if self.cp_enabled:  # without CP they would equal dp_shard and dp: no extra process groups then
             self._flat["dp_shard_cp"] = flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
             self._flat["dp_cp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
-        if self.ep_enabled:  # the same ranks as dp_shard x cp, EP innermost: an EP group is consecutive ranks
-            if not self.cp_enabled:
+        if self.ep_enabled:  # the same ranks as dp_shard x cp x tp, EP innermost: an EP group is consecutive ranks
+            inner = self.cp * self.tp
+            if inner == 1:
                 self._experts = unflatten_mesh(mesh, "dp_shard", (self.degrees.efsdp, self.ep), ("efsdp", "ep"))
-            else:  # torchtitan's rule: an EP group is ep / cp shard ranks with all their CP ranks
-                sizes = (self.degrees.efsdp, self.ep // self.cp)
+            else:  # torchtitan's rule: an EP group is ep / (cp x tp) shard ranks with all their CP and TP ranks
+                sizes = (self.degrees.efsdp, self.ep // inner)
                 experts = unflatten_mesh(mesh, "dp_shard", sizes, ("efsdp", "dp_shard_in_ep"))
-                self._flat["ep"] = flatten_mesh(experts["dp_shard_in_ep", "cp"], "ep")
+                self._flat["ep"] = flatten_mesh(experts["dp_shard_in_ep", "cp", "tp"], "ep")
                 self._experts = experts
+            if self.tp_enabled:  # an MoE layer's TP ranks route different tokens: its counts are summed over them too
+                self._flat["dp_cp_tp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp", "tp"], "dp_cp_tp")
         self._mesh = mesh
         return mesh
 
@@ -162,10 +165,10 @@ class ParallelDims:
 
     @property
     def ep_mesh(self) -> DeviceMesh:
-        """The ranks one MoE layer's routed experts are split over (consecutive dp_shard ranks; with context
-        parallelism ep / cp of them with all their CP ranks)."""
+        """The ranks one MoE layer's routed experts are split over (consecutive dp_shard ranks; with context or
+        tensor parallelism ep / (cp x tp) of them with all their CP and TP ranks)."""
         assert self._experts is not None, "build_mesh() with expert parallelism first"
-        return self._flat["ep"] if self.cp_enabled else self._experts["ep"]
+        return self._flat["ep"] if "ep" in self._flat else self._experts["ep"]
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
@@ -180,6 +183,13 @@ class ParallelDims:
         is their mean."""
         assert self._flat, "build_mesh() first"
         return self._flat["dp_cp" if self.cp_enabled else "dp"]
+
+    @property
+    def routing_mesh(self) -> DeviceMesh:
+        """Every rank routing different tokens through an MoE layer: the loss mesh's ranks and, with expert
+        parallelism under TP (each TP rank routes its part of the sequence), their TP ranks: the tokens-per-expert
+        counts are summed over it."""
+        return self._flat["dp_cp_tp"] if "dp_cp_tp" in self._flat else self.loss_mesh
 
     @property
     def cp_mesh(self) -> DeviceMesh:

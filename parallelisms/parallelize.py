@@ -34,7 +34,13 @@ from kiln_base.internals import (
 )
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.context_parallel import ContextParallel
-from parallelisms.expert_parallel import ExpertParallelExperts, apply_ep, expert_shard_placement
+from parallelisms.expert_parallel import (
+    ExpertParallelExperts,
+    MoEOnLocalTokens,
+    ReplicatedOnLocalTokens,
+    apply_ep,
+    expert_shard_placement,
+)
 from parallelisms.grad_reduce import REDUCE_DTYPE, Bf16WireReduceScatter
 from parallelisms.parallel_dims import ParallelDims
 
@@ -93,8 +99,13 @@ def apply_tp(
             # Qwen3's q/k norms act on this rank's heads, (bs, seq, local heads, head_dim): the weight replicated,
             # the input sharded on the head dim, so its gradient is summed over every rank's heads.
             plan |= {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in QK_NORMS}
-        if getattr(block, "feed_forward", None) is not None:  # an MoE block is refused with TP (config checks)
+        if getattr(block, "feed_forward", None) is not None:
             subs.append(("feed_forward", (Shard(1),), ("w1", "w3"), "w2"))
+        moe = getattr(block, "moe", None)
+        if moe is not None:  # each TP rank routes its own tokens to experts split over EP (expert_parallel.py)
+            plan |= {"moe": MoEOnLocalTokens(), "moe.router.gate": ReplicatedOnLocalTokens()}
+            if moe.shared_experts is not None:  # over every TP rank's tokens (rows), column- then row-wise
+                subs.append(("moe.shared_experts", (Shard(0),), ("w1", "w3"), "w2"))
         for sub, inputs, col, row in subs:
             # float8 styles only where every Linear of the sub-module is Float8Linear (some may be filtered).
             fp8 = float8_tensorwise and all(is_float8_linear(block.get_submodule(f"{sub}.{n}")) for n in (*col, row))
@@ -104,7 +115,7 @@ def apply_tp(
             desired = tuple(None if p is None else Replicate() for p in inputs)
             plan[sub] = prepare(input_layouts=inputs, desired_input_layouts=desired)
             plan.update({f"{sub}.{n}": colwise() for n in col})
-            plan[f"{sub}.{row}"] = rowwise(output_layouts=Shard(1))
+            plan[f"{sub}.{row}"] = rowwise(output_layouts=inputs[0])
         parallelize_module(block, tp_mesh, plan)
         applied |= {f"layers.{block_name}.{k}": v for k, v in plan.items()}
     return applied
@@ -239,7 +250,7 @@ def parallelize_llama(
     if cp is not None:
         apply_cp(model, cp)
     if parallel_dims.ep_enabled:
-        layers = apply_ep(model, parallel_dims.ep_mesh)
+        layers = apply_ep(model, parallel_dims.ep_mesh, parallel_dims.degrees.ep_data_ranks)
         logger.info(f"Expert parallel: the routed experts of {layers} MoE layers split over {parallel_dims.ep} ranks")
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh["tp"]

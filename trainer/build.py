@@ -401,7 +401,7 @@ def moe_balance(m: Model, built: BuiltModel, dims: ParallelDims, device: torch.d
         aux_coeff=m.moe_aux_loss_coeff,
         device=device,
         model=cast(Transformer, built.model) if built.pipeline is None else None,
-        count_group=dims.loss_mesh.get_group() if dims.dp_enabled or dims.cp_enabled else None,
+        count_group=dims.routing_mesh.get_group() if dims.dp_enabled or dims.cp_enabled or dims.tp_enabled else None,
         pp_group=dims.pp_group,
     )
 

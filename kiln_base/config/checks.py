@@ -343,6 +343,14 @@ def _check_moe_balance_flags(cfg: JobConfig) -> None:
         "aux loss pools each micro-batch's router statistics, which context parallelism splits over ranks; use "
         "model.moe_load_balance_coeff (the expert bias) instead",
     )
+    # Under TP each rank of an MoE layer routes its own part of each sequence (parallelisms/parallelize.py).
+    _check(
+        not aux or p.tensor_parallel_degree == 1,
+        f"model.moe_aux_loss_coeff {aux} with parallelism.tensor_parallel_degree {p.tensor_parallel_degree}: the "
+        "aux loss pools each micro-batch's router statistics, which an MoE layer under tensor parallelism splits "
+        "over the TP ranks (each routes its part of the sequence); use model.moe_load_balance_coeff (the expert "
+        "bias) instead",
+    )
     _check(
         not bias or not cfg.fault_tolerance.enable,
         f"model.moe_load_balance_coeff {bias} with fault_tolerance.enable: the expert bias is updated from one "
@@ -403,12 +411,6 @@ def _check_expert_parallel_flags(cfg: JobConfig) -> None:
     ep = p.expert_parallel_degree
     if ep == 1:
         return
-    tp = p.tensor_parallel_degree
-    _check(
-        tp == 1,
-        f"parallelism.expert_parallel_degree {ep} with tensor_parallel_degree {tp}: kiln's expert parallelism does "
-        "not compose with tensor parallelism yet (it does with pipeline and context parallelism); set one of them to 1",
-    )
     _check(
         not cfg.training.compile,
         f"parallelism.expert_parallel_degree {ep} with training.compile: the all-to-all's split sizes are a host "
@@ -592,17 +594,22 @@ def check_parallel_plan(cfg: JobConfig, shape: ModelShape, device_type: str) -> 
     """What the degrees, the model's shape and the device type decide together; the launcher (for the device type
     its ranks will have) and each rank, before the build."""
     tp = cfg.parallelism.tensor_parallel_degree
-    if tp > 1 and shape.experts:
+    if tp > 1 and shape.experts and cfg.parallelism.expert_parallel_degree == 1:
+        # Under TP an MoE layer's ranks each route their own part of the sequence; the experts are split over them
+        # (torchtitan's expert_tensor_parallel_degree 1), never replicated on every TP rank.
         raise ConfigError(
             f"parallelism.tensor_parallel_degree {tp} with a mixture-of-experts model (model.flavor "
-            f"{cfg.model.flavor}, {shape.experts} experts): kiln has no tensor-parallel plan for the experts yet; "
-            "shard it with FSDP (data_parallel_shard_degree) and tensor_parallel_degree 1"
+            f"{cfg.model.flavor}, {shape.experts} experts) needs expert parallelism over the TP ranks: each TP rank "
+            f"routes its own part of the sequence to experts split over them; set parallelism.expert_parallel_degree "
+            f"to a multiple of {tp} (e.g. {tp}), or tensor_parallel_degree 1"
         )
-    # Colwise wq/wk/wv shard whole heads; w1/w3 colwise and w2 rowwise shard the FFN hidden dim.
+    # Colwise wq/wk/wv shard whole heads; w1/w3 colwise and w2 rowwise shard the FFN hidden dim (an MoE's shared
+    # experts'; its routed experts are split over EP, not TP).
+    ffn = shape.shared_hidden_dim if shape.experts else shape.ffn_hidden_dim
     for what, size in (
         ("n_heads", shape.n_heads),
         ("n_kv_heads", shape.n_kv_heads),
-        ("FFN hidden dim", shape.ffn_hidden_dim),
+        ("shared experts' hidden dim" if shape.experts else "FFN hidden dim", ffn),
     ):
         if size % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the model's {what} ({size})")

@@ -89,28 +89,35 @@ class Degrees:
     dp_shard: int  # resolved: never -1
     cp: int
     tp: int
-    ep: int = 1  # expert parallel: borrowed from dp_shard x cp (= efsdp x ep), not a factor of the world size
+    ep: int = 1  # expert parallel: borrowed from dp_shard x cp x tp (= efsdp x ep), not a factor of the world size
 
     @classmethod
     def of(cls, p: Parallelism, world_size: int) -> Degrees:
         """The degrees for `world_size` ranks (data_parallel_shard_degree -1: the rest), checked to multiply to it;
-        expert_parallel_degree must divide the shard ranks it borrows from (dp_shard, and the CP ranks: every CP
-        rank of a shard rank joins its EP group, torchtitan's rule, so ep is a multiple of cp)."""
+        expert_parallel_degree must divide the ranks it borrows from: the shard ranks with all their CP and TP ranks
+        (torchtitan's rule with expert_tensor_parallel_degree 1: every CP and TP rank routes its own tokens, so an
+        EP group holds whole CP x TP groups and ep is a multiple of cp x tp)."""
         tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
         dp_shard = resolve_dp_shard(
             p.data_parallel_replicate_degree, p.data_parallel_shard_degree, tp, world_size, cp=cp, pp=pp
         )
         ep = p.expert_parallel_degree
-        if ep > 1 and ep % cp:
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree ({ep}) must be a multiple of context_parallel_degree ({cp}): "
-                "an expert-parallel group holds whole context-parallel groups"
+        inner = cp * tp
+        if ep > 1 and ep % inner:
+            names = " x ".join(
+                f"{k} ({v})" for k, v in (("context_parallel_degree", cp), ("tensor_parallel_degree", tp)) if v > 1
             )
-        if ep > 1 and dp_shard % (ep // cp):
-            cp_part = f" x context_parallel_degree ({cp})" if cp > 1 else ""
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree ({ep}) must be a multiple of {names}: an expert-parallel group "
+                "holds whole context- and tensor-parallel groups (each of their ranks routes its own tokens)"
+            )
+        if ep > 1 and dp_shard % (ep // inner):
+            parts = "".join(
+                f" x {k} ({v})" for k, v in (("context_parallel_degree", cp), ("tensor_parallel_degree", tp)) if v > 1
+            )
             raise ConfigError(
                 f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree ({dp_shard})"
-                f"{cp_part}: expert-parallel ranks are borrowed from the data-parallel shard ranks"
+                f"{parts}: expert-parallel ranks are borrowed from the data-parallel shard ranks"
             )
         return cls(pp, p.data_parallel_replicate_degree, dp_shard, cp, tp, ep)
 
@@ -130,8 +137,15 @@ class Degrees:
 
     @property
     def efsdp(self) -> int:
-        """The ranks that FSDP shards each expert-parallel rank's experts over: dp_shard x cp / ep."""
-        return self.dp_shard * self.cp // self.ep
+        """The ranks that FSDP shards each expert-parallel rank's experts over: dp_shard x cp x tp / ep (without
+        EP, FSDP's shard ranks)."""
+        return self.dp_shard * self.cp * self.tp // self.ep if self.ep > 1 else self.fsdp_shards
+
+    @property
+    def ep_data_ranks(self) -> int:
+        """The ranks of one EP group that read different batches (ep / tp): TP ranks route parts of the same
+        sequences, so an expert's gradient, summed over the group, is divided by this to be a data-parallel mean."""
+        return self.ep // self.tp if self.ep > 1 else 1
 
     @property
     def param_shards(self) -> int:
@@ -599,9 +613,10 @@ def training_bytes(shape: ModelShape, shards: int, plan: PipelinePlan | None = N
     """Bytes one rank holds for weights, gradients and AdamW state with the model split over `shards` ranks (FSDP
     shard degree x TP degree; replicas each hold their own copy); under pipeline parallelism (`plan`) the stages of
     the pipeline rank holding the most. An MoE's routed experts count the same under expert parallelism: each EP
-    rank holds E / ep of them and FSDP splits those over efsdp = dp_shard x cp / ep, so they too are split over
-    ep x efsdp = dp_shard x cp ranks, as the other weights are (under PP within each stage's ranks; EP does not
-    compose with TP; tests/trainer/test_dry_run_moe.py holds this against a built model's shards)."""
+    rank holds E / ep of them and FSDP splits those over efsdp = dp_shard x cp x tp / ep, so they too are split over
+    ep x efsdp = dp_shard x cp x tp ranks, as the other weights are (under PP within each stage's ranks; under TP
+    the router's gate and the norms are replicated over the TP ranks, a rounding error here;
+    tests/trainer/test_dry_run_moe.py holds this against a built model's shards)."""
     params = model_params(shape)
     if plan is not None:
         params = max(pipeline_rank_params(shape, plan, r) for r in range(plan.degree))

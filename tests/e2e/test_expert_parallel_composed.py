@@ -1,10 +1,12 @@
-"""Expert parallelism composed with pipeline and context parallelism, against one process from the same seed.
+"""Expert parallelism composed with pipeline, context and tensor parallelism, against one process from the same seed.
 
 One spawned group of 4 gloo ranks trains `debugmodel_moe` (2 blocks, seq 32, global batch 4, 4 steps, fp32,
 deterministic) through `parse_args` + `Trainer` three times: EP 2 x PP 2 (each stage's MoE layer dispatches over
 the stage's 2 data-parallel ranks), the same with the expert bias on (model.moe_load_balance_coeff 1e-2, which
 changes the routing from step 2 on), and EP 2 x CP 2 with the bias (each EP group is a CP pair, torchtitan's rule;
-the experts are FSDP-sharded over the 2 shard ranks). Every step's logged loss, gradient norm and moe_imbalance must
+the experts are FSDP-sharded over the 2 shard ranks), and EP 2 x TP 2 with it under per-op selective activation
+checkpointing (each EP group is a TP pair, each TP rank routing its half of every sequence; the bias needs the
+counts summed over the TP ranks too). Every step's logged loss, gradient norm and moe_imbalance must
 equal the one-process run's within 1e-5 relative, every gradient after step 1 (gathered by name; each pipeline
 stage's from its ranks) within 1e-5 of its largest entry, and each layer's expert bias after step 4 the one-process
 bias within 1e-6.
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from kiln_base.internals import unwrapped_fqn
 from tests.helpers.common import DEBUG_CONFIG, open_trainer
 from tests.helpers.distributed import forget_dtensor_plans, reopen_group, run_distributed
 from tests.helpers.grads import GradsAtStep1
@@ -40,8 +43,10 @@ CASES = {
     "pp": (*EP2, f"{P}pipeline_parallel_degree", "2"),
     "pp_bias": (*EP2, f"{P}pipeline_parallel_degree", "2", *BIAS),
     "cp_bias": (*EP2, f"{P}context_parallel_degree", "2", *BIAS),
+    # Each EP group a TP pair (each TP rank routes its half of every sequence), per-op selective AC.
+    "tp_bias": (*EP2, f"{P}tensor_parallel_degree", "2", *BIAS, "--activation_checkpoint.mode", "selective"),
 }
-REFERENCE = {"pp": (), "pp_bias": BIAS, "cp_bias": BIAS}
+REFERENCE = {"pp": (), "pp_bias": BIAS, "cp_bias": BIAS, "tp_bias": BIAS}
 METRICS = ("loss", "grad_norm", "moe_imbalance")
 _KEEP: list[Any] = []  # closed Trainers: the first one's process group holds the store the later ones' watch uses
 
@@ -53,7 +58,8 @@ def _run(argv: list[str]) -> dict[str, Any]:
         trainer.train(extra_hooks=[grads])
     bias = {n: b.detach().clone() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")}
     metrics = {k: [r[k] for r in records] for k in METRICS}
-    return {"metrics": metrics, "grads": grads.grads, "bias": bias}
+    named = {unwrapped_fqn(n): g for n, g in grads.grads.items()}  # without the AC wrappers' prefixes
+    return {"metrics": metrics, "grads": named, "bias": {unwrapped_fqn(n): b for n, b in bias.items()}}
 
 
 def _group(folder: str) -> bytes:
@@ -100,7 +106,7 @@ def test_expert_parallel_composed_matches_one_process(case: str, runs: dict[str,
             got, want = torch.tensor(r["metrics"][k]), torch.tensor(one["metrics"][k])
             assert len(got) == 4, r["metrics"]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m, k=k: f"{k}: {m}")
-    # PP: ranks 0, 1 (stage 0's data-parallel, and EP, ranks) and 2, 3 (stage 1's); CP: every rank holds all.
+    # PP: ranks 0, 1 (stage 0's data-parallel, and EP, ranks) and 2, 3 (stage 1's); CP, TP: every rank holds all.
     same = ((0, 1), (2, 3)) if case.startswith("pp") else ((0, 1), (0, 2), (0, 3))
     if case.startswith("pp"):
         assert not set(ranks[0]["grads"]) & set(ranks[2]["grads"]), "each parameter lives on one pipeline stage"

@@ -56,6 +56,8 @@ def ckpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # (id, arguments ({dir}, {ckpt2} filled from the fixtures), text the line must hold, found before any rank starts)
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+
 MISTAKES = [
     (
         "tp3",
@@ -133,6 +135,26 @@ MISTAKES = [
         "ep_dense",
         ["--parallelism.expert_parallel_degree", "2"],
         "parallelism.expert_parallel_degree 2: model.flavor debugmodel is dense (no experts to split)",
+        True,
+    ),
+    (
+        "moe_tp_without_ep",
+        [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+        "parallelism.tensor_parallel_degree 2 with a mixture-of-experts model (model.flavor debugmodel_moe, 8 "
+        "experts) needs expert parallelism over the TP ranks",
+        True,
+    ),
+    (
+        "moe_ep_tp_multiple",
+        [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "3"],
+        "parallelism.expert_parallel_degree (3) must be a multiple of tensor_parallel_degree (2)",
+        True,
+    ),
+    (
+        "moe_aux_tp",
+        [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+        + ["--model.moe_aux_loss_coeff", "0.001"],
+        "model.moe_aux_loss_coeff 0.001 with parallelism.tensor_parallel_degree 2: the aux loss pools",
         True,
     ),
     ("tokenizer_contents", ["--model.tokenizer_path", "{dir}/tokenizer.model"], "cannot parse tokenizer file", True),
@@ -238,6 +260,7 @@ SINGLE_RANK = {
 # check the launcher finds it in (the world: ConfigError; the files: DataError; the model: ConfigError), and every
 # mistake only a rank finds (each starts torchrun and its ranks), at NGPU 2 and 1.
 RUN_TRAIN = {"tp3", "dataset_record", "float8_policy_keeps_every_block", "dataset_too_small", "checkpoint_model"}
+RUN_TRAIN |= {"moe_tp_without_ep"}  # the model's shape against the degrees
 RUN_TRAIN_NGPU1 = {"validation_too_small"}  # at NGPU 2 its path is dataset_too_small's: ranks' line, printed once
 
 

@@ -122,7 +122,7 @@ def _layer_case(grouped_mm: bool, float8: bool = False) -> dict[str, Any]:
     mine = x.chunk(world)[rank].clone().requires_grad_(True)
     dims = ParallelDims.for_world(1, -1, 1, world, ep=world)
     dims.build_mesh("cpu")
-    apply_ep(moe, dims.ep_mesh)
+    apply_ep(moe, dims.ep_mesh, dims.degrees.ep_data_ranks)
     assert isinstance(moe.experts, ExpertParallelExperts)
     moe.reset_counts()
     gemms: list[bool] = []
@@ -144,22 +144,30 @@ def _layer_case(grouped_mm: bool, float8: bool = False) -> dict[str, Any]:
 
 
 def _model_case(
-    dp_replicate: int, ep: int, ac: str, ckpt: str | None, load: str | None = None, float8: bool = False
+    dp_replicate: int,
+    ep: int,
+    ac: str,
+    ckpt: str | None,
+    load: str | None = None,
+    float8: bool = False,
+    tp: int = 1,
 ) -> dict[str, Any]:
-    """The whole model through parallelize_llama (EP, AC, FSDP) with the reference weights (copied in, or loaded from
-    the DCP checkpoint `load` saved under another layout); one forward and backward on this rank's share of the
-    batch (the data-parallel rank's rows); saved to `ckpt` if given. `float8`: the experts converted first, as the
-    build converts (EXPERTS_F8)."""
+    """The whole model through parallelize_llama (EP, TP, AC, FSDP) with the reference weights (copied in, or loaded
+    from the DCP checkpoint `load` saved under another layout); one forward and backward on this rank's share of the
+    batch (the data-parallel rank's rows; a TP group's ranks share it); saved to `ckpt` if given. `float8`: the
+    experts converted first, as the build converts (EXPERTS_F8)."""
     import torch.distributed.checkpoint as dcp
 
     world = dist.get_world_size()
-    dims = ParallelDims.for_world(dp_replicate, -1, 1, world, ep=ep)
+    dims = ParallelDims.for_world(dp_replicate, -1, tp, world, ep=ep)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(ARGS)
     if float8:
         Float8Converter(EXPERTS_F8).convert(model)
-    parallelize_llama(model, dims, Training(), Parallelism(), ActivationCheckpoint(ac), Float8())
+    # The logits whole on every TP rank (no loss parallel): loss_of is the plain cross-entropy.
+    parallelism = Parallelism(disable_loss_parallel=True)
+    parallelize_llama(model, dims, Training(), parallelism, ActivationCheckpoint(ac), Float8())
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
     ref = reference_model().state_dict()
@@ -190,12 +198,12 @@ def _model_case(
     loss = loss_of(model, tokens)
     loss.backward()
     logged = loss.detach().clone()
-    dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+    dist.all_reduce(logged, op=dist.ReduceOp.AVG)  # a TP group's ranks hold the same loss
     grads = {unwrapped_fqn(n): full_grad(p) for n, p in model.named_parameters()}
     norm = total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
     counts = [m.tokens_per_expert.clone() for m in moe_layers(model)]
     for c in counts:
-        dist.all_reduce(c)
+        dist.all_reduce(c)  # over the data ranks and, under TP, each TP rank's part of the sequence
     if ckpt is not None:
         dcp.save(model.state_dict(), checkpoint_id=ckpt)
     held = tuple(shards[0].w1.to_local().shape)  # this rank's shard of block 0's w1 (after EP and FSDP)
@@ -232,6 +240,7 @@ def _two_rank_job(ckpt: str) -> dict[str, Any]:
             "layer_float8": _layer_case(grouped_mm=True, float8=True),
             "ep2_float8": _model_case(1, 2, "none", None, float8=True),
             "fsdp2_float8": _model_case(1, 1, "none", None, float8=True),  # no EP: the experts FSDP-sharded
+            "ep2_tp2": _model_case(1, 2, "none", None, tp=2),  # no FSDP: the router's gradient reduced by DTensor
         }
     )
 
@@ -239,6 +248,8 @@ def _two_rank_job(ckpt: str) -> dict[str, Any]:
 def _four_rank_job(ckpt: str) -> dict[str, Any]:
     """EP 2 x efsdp 2 resumes the 2-rank EP 2 checkpoint (another layout); HSDP copies the weights in."""
     cases = {"ep2_efsdp2": _model_case(1, 2, "none", None, load=ckpt), "hsdp2_ep2": _model_case(2, 2, "none", None)}
+    cases["ep2_tp2_efsdp2"] = _model_case(1, 2, "none", None, tp=2)
+    cases["ep4_tp2_full_ac"] = _model_case(1, 4, "full", None, tp=2)
     return _by_value(cases)
 
 
@@ -334,6 +345,15 @@ def test_ep_runs_the_experts_float8_grouped_gemms(
 
 
 @pytest.mark.distributed
+def test_ep_with_tp_matches_one_process(two_ranks: tuple[list[dict[str, Any]], str], reference: dict[str, Any]) -> None:
+    """EP 2 x TP 2 on 2 ranks (the EP group is the TP pair: each routes its half of every sequence; no FSDP):
+    loss, every gradient (the router's and the shared experts' summed over both halves), the norm and the counts
+    equal one process's."""
+    for rank in two_ranks[0]:
+        _assert_model_matches(rank["ep2_tp2"], reference, (2, ARGS.moe_hidden_dim, ARGS.dim))
+
+
+@pytest.mark.distributed
 def test_ep_checkpoint_holds_the_whole_experts(two_ranks: tuple[list[dict[str, Any]], str]) -> None:
     """A DCP checkpoint saved under EP 2 loads into one process's plain model: the same names, the whole [E, ...]
     expert tensors (the reference weights)."""
@@ -353,10 +373,15 @@ def test_ep_with_efsdp_and_hsdp_matches_one_process(
     reference: dict[str, Any], two_ranks: tuple[list[dict[str, Any]], str]
 ) -> None:
     """4 ranks: EP 2 x efsdp 2 (FSDP splits each EP rank's 2 experts, one whole expert a rank), its weights loaded
-    from the checkpoint the 2-rank EP 2 layout saved, and HSDP 2 x (EP 2 over dp_shard 2)."""
+    from the checkpoint the 2-rank EP 2 layout saved, HSDP 2 x (EP 2 over dp_shard 2), and with TP 2: EP 2 x
+    efsdp 2, and EP 4 under full activation checkpointing."""
     for rank in _tensors(run_distributed(_four_rank_job, 4, two_ranks[1])):
         _assert_model_matches(rank["ep2_efsdp2"], reference, (1, ARGS.moe_hidden_dim, ARGS.dim))  # 1 expert a rank
         _assert_model_matches(rank["hsdp2_ep2"], reference, (2, ARGS.moe_hidden_dim, ARGS.dim))  # 2, replicated
+        # EP 2 x TP 2 x dp_shard 2: each EP group a TP pair, its experts FSDP-split over efsdp 2 (1 a rank); EP 4 x
+        # TP 2: the EP group is 2 shard ranks x their TP pairs, whole experts (efsdp 1), under full AC.
+        _assert_model_matches(rank["ep2_tp2_efsdp2"], reference, (1, ARGS.moe_hidden_dim, ARGS.dim))
+        _assert_model_matches(rank["ep4_tp2_full_ac"], reference, (1, ARGS.moe_hidden_dim, ARGS.dim), recomputed=2)
 
 
 # ----------------------------------------------------------------------------- the config rules
@@ -377,7 +402,9 @@ def _check(world: int, model: ModelArgs = ARGS, **parallelism: Any) -> None:
         (4, dict(expert_parallel_degree=3), r"expert_parallel_degree \(3\) must divide data_parallel_shard_degree"),
         (6, dict(expert_parallel_degree=3), r"expert_parallel_degree \(3\) must divide the model's 4 experts"),
         (4, dict(expert_tensor_parallel_degree=2), "expert_tensor_parallel_degree 2: kiln has no tensor parallel"),
-        (4, dict(expert_parallel_degree=2, tensor_parallel_degree=2), "with tensor_parallel_degree 2"),
+        (8, dict(expert_parallel_degree=2, tensor_parallel_degree=4), r"\(2\) must be a multiple of tensor_para"),
+        (8, dict(expert_parallel_degree=4, tensor_parallel_degree=4, context_parallel_degree=2), r"context_.* x te"),
+        (4, dict(tensor_parallel_degree=2), "tensor_parallel_degree 2 with a mixture-of-experts model .* needs exp"),
         (4, dict(expert_parallel_degree=2, context_parallel_degree=4), r"\(2\) must be a multiple of context_para"),
         (6, dict(expert_parallel_degree=4, context_parallel_degree=2), r"\(4\) must divide .*\(3\) x context_para"),
         (4, dict(expert_parallel_degree=2, compile=True), "expert_parallel_degree 2 with training.compile"),

@@ -308,8 +308,8 @@ def _held(params: list[nn.Parameter]) -> tuple[int, int]:
 def _expert_lines(model: nn.Module, degrees: Degrees) -> list[str]:
     """Where an MoE's routed experts live and what this (simulated) rank holds of them and of the other weights,
     read from the built model's shards: with expert parallelism each EP rank holds E / ep experts of every layer and
-    FSDP splits those over efsdp = dp_shard x cp / ep, the other weights over dp_shard x cp; both over dp_shard x cp
-    ranks in all (under pipeline parallelism within each stage's ranks)."""
+    FSDP splits those over efsdp = dp_shard x cp x tp / ep, the other weights over dp_shard x cp (and TP's shards);
+    both over dp_shard x cp x tp ranks in all (under pipeline parallelism within each stage's ranks)."""
     layers = moe_layers(model)
     if not layers:
         return []
@@ -321,7 +321,9 @@ def _expert_lines(model: nn.Module, degrees: Degrees) -> list[str]:
     n = layers[0].experts.num_experts
     local = tuple((w1.to_local() if hasattr(w1, "to_local") else w1).shape)
     if degrees.ep > 1:
-        shard_ranks = f"dp_shard {degrees.dp_shard}" + (f" x cp {degrees.cp}" if degrees.cp > 1 else "")
+        shard_ranks = f"dp_shard {degrees.dp_shard}" + "".join(
+            f" x {k} {v}" for k, v in (("cp", degrees.cp), ("tp", degrees.tp)) if v > 1
+        )
         where = (
             f"expert parallel: {shard_ranks} = efsdp {degrees.efsdp} x ep {degrees.ep}; each EP rank "
             f"holds {n // degrees.ep} of every MoE layer's {n} experts, FSDP-sharded over efsdp {degrees.efsdp}"
