@@ -9,6 +9,9 @@ Hooks, by environment variable (the product code has none):
                                marker are written, but the folder is not yet renamed to step-N
   KILN_TEST_KILL_IN_ASYNC_WRITE=N  rank 0 SIGKILLs itself in the background thread writing step N's files
                                (checkpoint.async_mode): its data file written, no .metadata yet, training going on
+  KILN_TEST_KILL_IN_UPLOAD=N   rank 0 SIGKILLs itself in the background thread uploading step N to object storage
+                               (checkpoint.async_mode, a URL folder): its data object uploaded, no .metadata or
+                               kiln.json yet, training going on
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, ROOT)
 from kiln_base.config import parse_args  # noqa: E402
 from trainer.checkpoint.checksums import ChecksummingWriter  # noqa: E402
 from trainer.checkpoint.manager import CheckpointManager  # noqa: E402
+from trainer.checkpoint.objects import ObjectStore  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 
@@ -57,6 +61,16 @@ def _install_hooks() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return done
 
+    kill_in_upload = int(os.environ.get("KILN_TEST_KILL_IN_UPLOAD", "-1"))
+    upload = ObjectStore.upload
+
+    def upload_then_die(self: ObjectStore, local: str, name: str) -> None:
+        upload(self, local, name)
+        in_background = threading.current_thread() is not threading.main_thread()
+        if name == f"step-{kill_in_upload}/__0_0.distcp" and in_background:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ObjectStore.upload = upload_then_die  # type: ignore[method-assign]
     CheckpointManager.maybe_save = maybe_save_then_die
     ChecksummingWriter.write_data = write_then_die  # type: ignore[method-assign]
     CheckpointManager._publish = die_before_rename

@@ -21,6 +21,7 @@ from models import LLAMA3_FLAVORS, ModelArgs
 from tests.helpers.checkpoints import SMALL, TINY, StepCounter, names, snapshot, train_tiny
 from tests.helpers.hostile import reseal
 from tests.helpers.kiln_process import CKPT_DRIVER, run_kiln
+from tests.helpers.s3_server import S3Server
 from trainer.checkpoint.manager import CheckpointManager, complete_steps, read_metadata
 from trainer.trainer import Trainer
 
@@ -91,6 +92,39 @@ def test_sigkill_during_async_write_then_resume_matches_straight_run(tmp_path: P
     assert f"Loaded checkpoint {folder / 'step-4'} (full state)" in log and "damaged" not in log
     assert resumed == straight8[4:]  # exact floats
     assert names(folder) == ["step-2", "step-4", "step-6", "step-8"]
+
+
+@pytest.mark.slow
+def test_sigkill_during_async_upload_to_s3_leaves_the_previous_step_newest(
+    s3: S3Server, tmp_path: Path, straight8: list[float]
+) -> None:
+    """async_mode async into s3:// (moto's server), killed (SIGKILL) in the background thread uploading step 6 (its
+    data object in the bucket, no .metadata or kiln.json yet) while training goes on: step-4 stays the newest
+    complete checkpoint. The killed run's lock object stays (object storage gives kiln no lease: docs/checkpoint.md),
+    so the next run stops naming it until it is deleted by hand; then the run removes the killed step-6/ prefix,
+    resumes from step-4 and reproduces the straight run's losses for steps 5-8 bitwise."""
+    url = s3.url("run/checkpoint")
+    ckpt = [*("--training.steps", "8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2")]
+    ckpt += ["--checkpoint.folder", url, "--checkpoint.async_mode", "async"]
+    rc, _ = drive(tmp_path / "run", *ckpt, env={"KILN_TEST_KILL_IN_UPLOAD": "6"})
+    assert rc == -9
+    keys = s3.keys("run/checkpoint")
+    assert sorted(k.split("/")[0] for k in keys if k.endswith("/kiln.json")) == ["step-2", "step-4"], keys
+    assert "step-6/__0_0.distcp" in keys and "step-6/.metadata" not in keys and ".kiln.lock" in keys, keys
+    assert not list(tmp_path.rglob("s3:*"))
+
+    rc, _ = drive(tmp_path / "run", *ckpt)
+    assert rc != 0 and f"checkpoint folder {url} is in use by another kiln run" in (tmp_path / "run.log").read_text()
+    assert s3.keys("run/checkpoint") == keys  # nothing removed or replaced
+    s3.remove("run/checkpoint/.kiln.lock")
+    rc, resumed = drive(tmp_path / "run", *ckpt)
+    assert rc == 0
+    log = (tmp_path / "run.log").read_text()
+    assert f"Loaded checkpoint {url}/step-4 (full state)" in log and "damaged" not in log
+    assert f"Removing {url}/step-6/: a save that was killed" in log
+    assert resumed == straight8[4:]  # exact floats
+    keys = s3.keys("run/checkpoint")
+    assert sorted(k.split("/")[0] for k in keys if k.endswith("/kiln.json")) == [f"step-{n}" for n in (2, 4, 6, 8)]
 
 
 @pytest.mark.slow
