@@ -94,6 +94,16 @@ def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
     return wrap(module, **kwargs)
 
 
+def is_checkpoint_wrapped(module: nn.Module) -> bool:
+    """Whether `module` is checkpoint_wrapper's wrapper (activation checkpointing of a whole block).
+
+    Checked on torch 2.11.0, 2.13.0 (torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)
+
+
 def sac_op_output(ctx: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     """The output of the op a per-op SAC policy is deciding on.
 

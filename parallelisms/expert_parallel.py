@@ -36,8 +36,10 @@ ranks, its gradient summed over their tokens (`ReplicatedOnLocalTokens`); shared
 over all the TP ranks' tokens (parallelize.apply_tp). An expert's gradient is divided by the group's data ranks,
 ep / tp, not by ep: its TP ranks' tokens are parts of the same sequences.
 
-Not composed yet (refused in kiln_base/config/checks.py): torch.compile (the split sizes are a host sync, a graph
-break under fullgraph).
+Under torch.compile the layer's dispatch, experts and combine (ExpertParallelExperts.forward) run eagerly: the split
+sizes are a host sync, which a graph cannot hold. The rest of the block (attention, router, the routing weights,
+shared experts) is compiled around them, its shapes fixed by the tokens, so the varying rows per expert recompile
+nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class ExpertParallelExperts(nn.Module):
         for name in EXPERT_WEIGHTS:  # on the meta device before init: distributing allocates nothing
             self.register_parameter(name, nn.Parameter(distribute_tensor(getattr(experts, name), ep_mesh, [Shard(0)])))
 
+    @torch.compiler.disable  # under training.compile: eager between the block's graphs (parallelize.apply_compile)
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, dim): this rank's rows sorted by expert, `counts` [E] int64 of them per expert -> (rows, dim)."""
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()

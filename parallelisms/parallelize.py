@@ -31,6 +31,7 @@ from kiln_base.internals import (
     enable_micro_pipeline_tp,
     enable_tiled_reductions,
     fsdp_reduce_tp_partial_grads_in_reduce_dtype,
+    is_checkpoint_wrapped,
 )
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.context_parallel import ContextParallel
@@ -139,11 +140,27 @@ def apply_compile(model: Transformer, float8: Float8) -> None:
     if float8.enable_float8_linear:
         enable_tiled_reductions()
         logger.info("float8 + compile: inductor tile_reductions on (coalesced transposed float8 copies)")
+    dispatching, eager_blocks = 0, 0
     for name, block in model.layers.named_children():
-        compiled = cast(nn.Module, torch.compile(block, fullgraph=True))  # an OptimizedModule
+        # An expert-parallel MoE layer's dispatch, experts and combine run eagerly (torch.compiler.disable: the
+        # all-to-all's split sizes are a host sync), the rest of the block in graphs around them, of fixed shapes
+        # (the tokens x top k rows in and out): the varying rows per expert recompile nothing. A checkpointed such
+        # block runs eagerly whole: dynamo does not compile a checkpoint with an eager call inside (torch 2.13).
+        eager_part = any(isinstance(m, ExpertParallelExperts) for m in block.modules())
+        dispatching += eager_part
+        eager_blocks += eager_part and is_checkpoint_wrapped(block)
+        compiled = cast(nn.Module, torch.compile(block, fullgraph=not eager_part))  # an OptimizedModule
         # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
         compiled.register_forward_pre_hook(wait_async_collective_inputs)
         model.layers.register_module(name, compiled)
+    if dispatching:
+        checkpointed = f"; {eager_blocks} checkpointed blocks run eagerly whole (activation_checkpoint)" * bool(
+            eager_blocks
+        )
+        logger.info(
+            f"compile: the expert-parallel dispatch and experts of {dispatching} MoE layers run eagerly, the rest of "
+            f"each block compiled around them{checkpointed}"
+        )
 
 
 def wait_async_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

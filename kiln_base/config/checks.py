@@ -399,8 +399,8 @@ def _check_pipeline_flags(cfg: JobConfig) -> None:
 
 
 def _check_expert_parallel_flags(cfg: JobConfig) -> None:
-    """What expert parallelism does not compose with yet (parallelisms/expert_parallel.py); the degree against the
-    shard degree is Degrees.of's, against the experts check_parallel_plan's."""
+    """What expert parallelism does not have (parallelisms/expert_parallel.py); the degree against the shard degree
+    is Degrees.of's, against the experts check_parallel_plan's."""
     p = cfg.parallelism
     etp = p.expert_tensor_parallel_degree
     _check(
@@ -408,13 +408,16 @@ def _check_expert_parallel_flags(cfg: JobConfig) -> None:
         f"parallelism.expert_tensor_parallel_degree {etp}: kiln has no tensor parallelism inside the experts (each "
         "expert runs whole on its expert-parallel rank); use 1",
     )
+    ac = cfg.activation_checkpoint
     ep = p.expert_parallel_degree
-    if ep == 1:
-        return
+    # Measured (torch 2.13): the eager dispatch inside a compiled, checkpointed block makes dynamo run the checkpoint
+    # itself eagerly; its recompute then runs the block uncompiled, whose ops per-op SAC finds differ from the
+    # forward's ("invocation index ... not found in storage").
     _check(
-        not cfg.training.compile,
-        f"parallelism.expert_parallel_degree {ep} with training.compile: the all-to-all's split sizes are a host "
-        "sync, which a fullgraph-compiled block cannot hold; drop --training.compile or use expert_parallel_degree 1",
+        not (ep > 1 and cfg.training.compile and ac.mode == "selective" and ac.selective_ac_option == "op"),
+        f"parallelism.expert_parallel_degree {ep} with training.compile and per-op selective activation "
+        "checkpointing: the dispatch runs eagerly inside each compiled block, whose recompute then runs uncompiled, "
+        "which per-op SAC refuses; use activation_checkpoint.mode full or none, or selective_ac_option N",
     )
 
 

@@ -151,6 +151,13 @@ MISTAKES = [
         True,
     ),
     (
+        "ep_compile_per_op_sac",
+        [*MOE, "--parallelism.expert_parallel_degree", "2", "--training.compile"]
+        + ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+        "parallelism.expert_parallel_degree 2 with training.compile and per-op selective activation checkpointing",
+        True,
+    ),
+    (
         "moe_aux_tp",
         [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
         + ["--model.moe_aux_loss_coeff", "0.001"],

@@ -390,7 +390,8 @@ def test_ep_with_efsdp_and_hsdp_matches_one_process(
 def _check(world: int, model: ModelArgs = ARGS, **parallelism: Any) -> None:
     """The checks a config, then the launcher and each rank run (parse time, the world, the plan)."""
     training = Training(compile=parallelism.pop("compile", False))
-    cfg = JobConfig(training=training, parallelism=Parallelism(**parallelism))
+    ac = ActivationCheckpoint(parallelism.pop("ac", "selective"), selective_ac_option=parallelism.pop("sac", "op"))
+    cfg = JobConfig(training=training, parallelism=Parallelism(**parallelism), activation_checkpoint=ac)
     check_config_alone(cfg)
     check_world(cfg, world)
     check_parallel_plan(cfg, model.shape(), "cpu")
@@ -407,8 +408,8 @@ def _check(world: int, model: ModelArgs = ARGS, **parallelism: Any) -> None:
         (4, dict(tensor_parallel_degree=2), "tensor_parallel_degree 2 with a mixture-of-experts model .* needs exp"),
         (4, dict(expert_parallel_degree=2, context_parallel_degree=4), r"\(2\) must be a multiple of context_para"),
         (6, dict(expert_parallel_degree=4, context_parallel_degree=2), r"\(4\) must divide .*\(3\) x context_para"),
-        (4, dict(expert_parallel_degree=2, compile=True), "expert_parallel_degree 2 with training.compile"),
         (4, dict(expert_parallel_degree=4, data_parallel_replicate_degree=2), r"\(4\) must divide .*degree \(2\)"),
+        (4, dict(expert_parallel_degree=2, compile=True), "2 with training.compile and per-op selective activation"),
     ],
 )
 def test_ep_config_refusals(world: int, settings: dict[str, Any], message: str) -> None:
@@ -437,3 +438,10 @@ def test_ep_composes_with_pipeline_and_context_parallel() -> None:
     _check(2, expert_parallel_degree=2, context_parallel_degree=2)  # dp_shard 1: the EP group is the CP pair
     degrees = ParallelDims.for_world(1, -1, 1, 8, cp=2, ep=4).degrees  # dp_shard 4 x cp 2 = efsdp 2 x ep 4
     assert (degrees.dp_shard, degrees.cp, degrees.ep, degrees.efsdp) == (4, 2, 4, 2)
+
+
+def test_ep_with_compile_is_accepted_without_per_op_sac() -> None:
+    """EP under training.compile: the dispatch runs eagerly between the block's graphs; full or every-Nth-block AC (or
+    none) compose, per-op SAC is refused (test_ep_config_refusals)."""
+    for ac, sac in (("full", "op"), ("selective", "2"), ("none", "op")):
+        _check(2, expert_parallel_degree=2, compile=True, ac=ac, sac=sac)
