@@ -129,14 +129,19 @@ def _files(s3: S3Server | GCSServer, prefix: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "bucket,nproc", [("s3", 1), pytest.param("s3", 2, marks=pytest.mark.distributed), ("gs", 1)], indirect=["bucket"]
+    "bucket,nproc,async_mode",
+    [("s3", 1, "disabled"), pytest.param("s3", 2, "async", marks=pytest.mark.distributed), ("gs", 1, "disabled")],
+    indirect=["bucket"],
 )
 def test_saves_complete_steps_resumes_bitwise_and_keeps_only_what_it_proves(
-    bucket: S3Server | GCSServer, tmp_path: Path, nproc: int
+    bucket: S3Server | GCSServer, tmp_path: Path, nproc: int, async_mode: str
 ) -> None:
+    """On 2 ranks the saves are async: each rank uploads its own data object in the background, rank 0 the index
+    and kiln.json once both are up (the synchronous 2-rank upload: the flipped-bit test below)."""
     s3 = bucket
     url = s3.url("run/checkpoint")
     args = ("--checkpoint.folder", url, "--checkpoint.interval", "2", "--training.steps", "4")
+    args += ("--checkpoint.async_mode", async_mode)
     straight = drive(tmp_path / "straight", *args, nproc=nproc)
     shards = [f"__{r}_0.distcp" for r in range(nproc)]
     step_files = sorted([".kiln-saving", ".metadata", "kiln.json", *shards])
@@ -153,6 +158,8 @@ def test_saves_complete_steps_resumes_bitwise_and_keeps_only_what_it_proves(
     log = (tmp_path / "resumed.log").read_text()
     assert f"Loaded checkpoint {url}/step-2 (full state)" in log
     assert f"Removing {url}/step-4/: a save that was killed" in log
+    background = "Checkpoint step-2: staged in " in (tmp_path / "straight.log").read_text()
+    assert background == (async_mode == "async")  # the path this case tests ("... uploading in background")
     assert resumed["first_step"] == 3 and resumed["losses"] == straight["losses"][2:]  # bitwise
     # keep_latest_k 1: only the newest step kiln wrote; step-6, not kiln's, untouched
     assert _files(s3, "run/checkpoint") == {"step-4": step_files, "step-6": sorted([".metadata", shards[0]])}
