@@ -38,6 +38,9 @@ SAC_SAVE_LIST: frozenset[Any] = frozenset(
         torch.ops.higher_order.flex_attention,
         torch.ops.torch_attn._varlen_attn.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,  # TP rowwise outputs: a collective to redo
+        # Expert parallelism's dispatch and combine (the counts' and the rows' all-to-alls): recomputing them would
+        # redo the exchange in backward, on every EP rank (torchtitan saves them too).
+        torch.ops._c10d_functional.all_to_all_single.default,
         # The amax behind float8 scales: a full read of a big tensor that yields a tiny result, so save it.
         # aten.max is the tensorwise amax (max(abs(x))); aten.amax the rowwise one (amax(abs(x), dim)).
         # Saving amax outputs costs a few KiB per block and skips one read of every cast tensor in recompute

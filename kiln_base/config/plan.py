@@ -707,7 +707,7 @@ def logit_tokens(cfg: JobConfig, plan: RunPlan) -> tuple[int, str]:
     return tokens, which
 
 
-def _activation_elems_per_token_layer(shape: ModelShape, ac: ActivationCheckpoint) -> float:
+def _activation_elems_per_token_layer(shape: ModelShape, ac: ActivationCheckpoint, ep: int = 1) -> float:
     """Elements kept for backward per token per block (flash SDPA, eager), before TP/SP division; q = n_heads x
     head width (dim for Llama 3; Qwen3's MoE flavors have twice dim), kv = n_kv_heads x head width.
 
@@ -717,7 +717,9 @@ def _activation_elems_per_token_layer(shape: ModelShape, ac: ActivationCheckpoin
     its k experts' rows and its shared expert's, and it also keeps each token's k dispatched copies (below).
     Full AC keeps only the block input (dim). Per-op SAC keeps the block input plus every second mm output (wq,
     wv, w1, w2) and SDPA out; in an MoE block the routed experts' grouped GEMMs are not in the save list, so the
-    saved mms are wq, wv, the router's gate (E scores) and the shared expert's w3.
+    saved mms are wq, wv, the router's gate (E scores) and the shared expert's w3; with expert parallelism (`ep` >
+    1) it also keeps the all-to-alls' outputs, the rows received for the experts and the rows combined back, 2 k x
+    dim (SAC_SAVE_LIST: the exchange is not redone in backward).
     Selective every N blocks: 1 block in N is fully recomputed.
     """
     dim, q, kv = shape.dim, shape.head_width * shape.n_heads, shape.head_width * shape.n_kv_heads
@@ -734,7 +736,7 @@ def _activation_elems_per_token_layer(shape: ModelShape, ac: ActivationCheckpoin
         return dim
     if ac.selective_ac_option == "op":
         ffn = shape.experts + shape.shared_hidden_dim if shape.experts else hidden + dim
-        return dim + q + kv + ffn + q
+        return dim + q + kv + ffn + q + (2 * shape.top_k * dim if shape.experts and ep > 1 else 0)
     every = int(ac.selective_ac_option)
     return (dim + (every - 1) * full_block) / every
 
@@ -776,7 +778,7 @@ def memory_estimate(
     t, ac, shape, pipeline = cfg.training, cfg.activation_checkpoint, plan.shape, plan.pipeline
     cp, tp, split = plan.degrees.cp, plan.degrees.tp, plan.sequence
     size = 4 if resolve_mixed_precision(t.mixed_precision_param, device_type) == "float32" else 2
-    per_layer = _activation_elems_per_token_layer(shape, ac) * size / tp
+    per_layer = _activation_elems_per_token_layer(shape, ac, plan.degrees.ep) * size / tp
     logits_per_token = (size + 4) * shape.vocab_size / tp
     if pipeline is None:
         rows, in_flight, blocks, has_output = t.local_batch_size, 1, shape.n_layers, True

@@ -230,9 +230,28 @@ def _tensors(obj: Any) -> Any:
     return torch.from_numpy(obj) if hasattr(obj, "dtype") and hasattr(obj, "shape") else obj
 
 
+def _sac_case() -> dict[str, Any]:
+    """Per-op SAC over an EP 2 model: what the policy saved and left to recompute of the all-to-alls, by op name."""
+    from parallelisms.activation_checkpoint import SACStats, apply_ac
+
+    dims = ParallelDims.for_world(1, -1, 1, dist.get_world_size(), ep=2)
+    dims.build_mesh("cpu")
+    model = reference_model()
+    apply_ep(model, dims.ep_mesh, dims.degrees.ep_data_ranks)
+    stats = SACStats()
+    apply_ac(model, ActivationCheckpoint("selective", selective_ac_option="op"), stats)
+    loss_of(model, batch().chunk(2)[dist.get_rank()]).backward()
+    a2a = "all_to_all_single"
+    return {
+        "kept": sorted(str(f) for f in stats.kept_bytes if a2a in str(f)),
+        "recomputed": sorted(str(f) for f in stats.recomputed if a2a in str(f)),
+    }
+
+
 def _two_rank_job(ckpt: str) -> dict[str, Any]:
     return _by_value(
         {
+            "sac": _sac_case(),
             "layer": _layer_case(grouped_mm=True),
             "layer_loop": _layer_case(grouped_mm=False),
             "ep2": _model_case(1, 2, "none", ckpt),
@@ -342,6 +361,14 @@ def test_ep_runs_the_experts_float8_grouped_gemms(
         _assert_model_matches(rank["fsdp2_float8"], reference_float8, (2, ARGS.moe_hidden_dim, ARGS.dim), atol=ATOL_F8)
     w1 = "layers.0.moe.experts.w1"
     assert not torch.allclose(reference_float8["grads"][w1], reference["grads"][w1], atol=5 * ATOL_F8, rtol=0)
+
+
+@pytest.mark.distributed
+def test_per_op_sac_saves_the_dispatch(two_ranks: tuple[list[dict[str, Any]], str]) -> None:
+    """Per-op SAC keeps the all-to-alls' outputs (the counts and the rows, dispatch and combine): the backward's
+    recompute does not redo the exchange."""
+    for rank in two_ranks[0]:
+        assert rank["sac"] == {"kept": ["_c10d_functional.all_to_all_single.default"], "recomputed": []}
 
 
 @pytest.mark.distributed
