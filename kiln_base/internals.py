@@ -97,7 +97,8 @@ def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
 def is_checkpoint_wrapped(module: nn.Module) -> bool:
     """Whether `module` is checkpoint_wrapper's wrapper (activation checkpointing of a whole block).
 
-    Checked on torch 2.11.0, 2.13.0 (torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper).
+    Checked on torch 2.13.0 (torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper, the class
+    checkpoint_wrapper returns); tests/kiln_base/test_internals.py runs on the oldest torch too.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 

@@ -72,6 +72,13 @@ def test_unwrapped_fqn_strips_ac_and_compile_wrappers() -> None:
     assert internals.unwrapped_fqn(name) == "0.0"
 
 
+def test_is_checkpoint_wrapped_knows_the_ac_wrapper() -> None:
+    block = nn.Linear(4, 4)
+    assert internals.is_checkpoint_wrapped(internals.checkpoint_wrapper(block)) and not internals.is_checkpoint_wrapped(
+        block
+    )
+
+
 # ----------------------------------------------------------------------------- selective activation checkpointing
 
 
