@@ -4,12 +4,16 @@ file is one line naming it, a checkpoint without checksums loads with one line s
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import shutil
 import threading
+import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +22,7 @@ from tests.helpers.checkpoints import TINY, train_tiny
 from tests.helpers.common import LogLines
 from trainer.checkpoint import checksums as checkpoint_checksums
 from trainer.checkpoint.checksums import file_checksum
+from trainer.checkpoint.reader import _Window, load_metadata
 
 CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2")
 
@@ -25,13 +30,22 @@ CKPT = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2")
 def test_every_file_is_recorded_and_an_async_save_checksums_off_the_training_thread(
     tmp_path: Path, small_model: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    threads: dict[str, str] = {}
+    """Each data file's checksum is taken from its bytes as they are written (in the thread writing it: a background
+    one under async), never by reading the file back; only the small `.metadata` is read to checksum it."""
+    threads: dict[str, set[str]] = {}
+    read_back: list[str] = []
+    write = checkpoint_checksums._ChecksummedFile.write
 
-    def recording(path: str) -> str:
-        threads[path] = threading.current_thread().name
+    def recording_write(self: Any, data: Any) -> int:
+        threads.setdefault(self.name, set()).add(threading.current_thread().name)
+        return write(self, data)
+
+    def recording_read(path: str) -> str:
+        read_back.append(os.path.basename(path))
         return file_checksum(path)
 
-    monkeypatch.setattr(checkpoint_checksums, "file_checksum", recording)
+    monkeypatch.setattr(checkpoint_checksums._ChecksummedFile, "write", recording_write)
+    monkeypatch.setattr(checkpoint_checksums, "file_checksum", recording_read)
     train_tiny(tmp_path, *CKPT, "--training.steps", "4", "--checkpoint.async_mode", "async")
     for step in ("step-2", "step-4"):  # step-2 saved in the background, step-4 (the last) synchronously
         folder = tmp_path / "checkpoint" / step
@@ -39,9 +53,11 @@ def test_every_file_is_recorded_and_an_async_save_checksums_off_the_training_thr
         on_disk = {p.name for p in folder.iterdir()} - {"kiln.json"}
         assert set(sums) == on_disk == {".metadata", "__0_0.distcp"}, on_disk  # no sidecar left behind
         assert sums == {name: file_checksum(str(folder / name)) for name in on_disk}
+    assert read_back == [".metadata", ".metadata"], read_back
+    main = threading.main_thread().name
     shard = str(tmp_path / "checkpoint" / "step-2.tmp" / "__0_0.distcp")
-    assert threads[shard] != threading.main_thread().name
-    assert threads[str(tmp_path / "checkpoint" / "step-4.tmp" / "__0_0.distcp")] == threading.main_thread().name
+    assert threads[shard] and main not in threads[shard], threads
+    assert threads[str(tmp_path / "checkpoint" / "step-4.tmp" / "__0_0.distcp")] == {main}, threads
 
 
 def _resume(dump: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
@@ -152,3 +168,44 @@ def test_the_checksum_covers_every_chunk(
     flip_bit(step / "__0_0.distcp", shard.stat().st_size - 5)  # in the last piece
     code, err = _resume(tmp_path / "flipped", capsys)
     assert code == 2 and err.startswith(f"kiln: error: checkpoint file {step / '__0_0.distcp'} is damaged"), err
+
+
+def test_the_written_checksum_is_the_files_and_torch_saves_own_is_off_only_while_writing(tmp_path: Path) -> None:
+    """The CRC-32 taken as the bytes go out equals the file's own, over pieces checksummed inline (headers, a small
+    tensor) and on the helper thread (a tensor of several 8 MiB pieces); the records inside carry no CRC of
+    torch.save's (switched off for the write), and torch.save computes its CRC again afterwards."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    state = {"big": torch.randn(5_000_000), "small": torch.randn(7, 3), "step": 3, "name": "x"}
+    folder = tmp_path / "ckpt"
+    writer = checkpoint_checksums.ChecksummingWriter(str(folder))
+    dcp.save(state, checkpoint_id=str(folder), storage_writer=writer, no_dist=True)
+    data = sorted(p.name for p in folder.glob("*.distcp"))
+    assert data and writer.sums == {name: file_checksum(str(folder / name)) for name in data}
+    assert writer.bytes == sum((folder / name).stat().st_size for name in data)
+    md = load_metadata(str(folder))
+    crcs = []
+    for info in md.storage_data.values():
+        with open(folder / info.relative_path, "rb") as f, zipfile.ZipFile(_Window(f, info.offset, info.length)) as z:
+            crcs += [m.CRC for m in z.infolist() if m.filename.endswith(("/data/0", "/data.pkl"))]
+    assert len(crcs) >= 4 and set(crcs) == {0}, crcs  # torch.save's own CRC-32s: not computed
+    assert torch.serialization.get_crc32_options() is True
+    plain = io.BytesIO()
+    torch.save(torch.ones(4), plain)
+    with zipfile.ZipFile(plain) as z:
+        assert all(m.CRC != 0 for m in z.infolist() if m.filename.endswith("/data/0"))  # on again after the write
+
+
+def test_a_file_seeked_while_written_is_read_back(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "f"
+    with ThreadPoolExecutor(1) as pool, open(path, "wb") as f:
+        stream = checkpoint_checksums._ChecksummedFile(f, pool)
+        stream.write(b"a" * (3 << 20))
+        assert stream.sequential and stream.written == 3 << 20
+        assert f"crc32:{stream.crc:08x}" == f"crc32:{zlib.crc32(b'a' * (3 << 20)):08x}"
+        stream.seek(0)
+        assert not stream.sequential

@@ -318,3 +318,25 @@ def test_two_ranks_both_refuse_a_locked_folder(tmp_path: Path) -> None:
     # exits 2 too or is stopped by torchrun, which ends the other ranks once one has failed (a race, either way).
     assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     assert names(folder) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "refused"),
+    [
+        ([3e38, 3e38, 1.0], torch.float32, False),  # finite values whose sum overflows to inf: loaded
+        ([-3e38, -3e38], torch.bfloat16, False),
+        ([1.0, float("inf"), 2.0], torch.float32, True),
+        ([1.0, float("nan")], torch.float16, True),
+        ([float("inf"), float("-inf")], torch.float32, True),  # their sum is NaN either way
+    ],
+)
+def test_the_finite_check_of_loaded_values(values: list[float], dtype: torch.dtype, refused: bool) -> None:
+    from kiln_base.errors import CheckpointError
+    from trainer.checkpoint.reader import check_loaded_state
+
+    sd = {"model": {"w": torch.tensor(values).to(dtype)}, "other": {"ok": torch.ones(3)}}
+    if refused:
+        with pytest.raises(CheckpointError, match="'model.w' holds NaN or infinite values"):
+            check_loaded_state(sd, "ckpt", None, 10)
+    else:
+        check_loaded_state(sd, "ckpt", None, 10)

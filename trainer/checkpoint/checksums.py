@@ -3,11 +3,13 @@
 A flipped bit in a `.distcp` file (bit rot on a disk, a bad copy between clusters) would otherwise load and train
 on silently: DCP's records carry no checksum, and a flipped bit inside a tensor is a valid tensor.
 
-Saving: every rank writes its files through ChecksummingWriter (DCP's FileSystemWriter), which, right after its
-writes and in the same thread (a background thread under checkpoint.async_mode), computes the CRC-32 of each file it
-wrote and leaves them in a small sidecar, `.kiln-checksums-<rank>.json`. When the save is complete, rank 0 merges the
-sidecars and the checksum of `.metadata` into kiln.json (`"checksums": {"__0_0.distcp": "crc32:1a2b3c4d", ...}`)
-and removes them (collect). CRC-32: the fastest of the digests the standard library offers on the CPUs measured
+Saving: every rank writes its files through ChecksummingWriter (DCP's FileSystemWriter), which computes the CRC-32
+of each file from the bytes as they are written (a helper thread checksums each piece while the writing thread hands
+it to the OS: the file is not read back; a background thread under checkpoint.async_mode) and leaves them in a small
+sidecar, `.kiln-checksums-<rank>.json`. torch.save's own CRC-32 of each record inside a file is switched off for
+those writes (it covered the same bytes again; torch.load does not need it). When the save is complete, rank 0
+merges the sidecars and the checksum of `.metadata` into kiln.json (`"checksums": {"__0_0.distcp": "crc32:1a2b3c4d",
+...}`) and removes them (collect). CRC-32: the fastest of the digests the standard library offers on the CPUs measured
 (docs/checkpoint.md, "Checksums"); it catches every single flipped bit and every burst of up to 32, which is
 what it is for: damage, not an attacker (who could rewrite kiln.json as well).
 
@@ -24,15 +26,20 @@ an older kiln, torchtitan, or converted), loads, with one line saying it is unve
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Generator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -49,12 +56,79 @@ _CHUNK = 8 * MiB
 
 
 def file_checksum(path: str) -> str:
-    """`crc32:<8 hex digits>` of the file's bytes, read in 8 MiB pieces (_CHUNK)."""
+    """`crc32:<8 hex digits>` of the file's bytes, read in 8 MiB pieces (_CHUNK); a file of several pieces is read
+    and checksummed at once: piece i's CRC on a helper thread while this thread reads piece i + 1 (both release the
+    GIL), so a cold file goes at about the disk's rate, not the disk's plus zlib's."""
     crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size <= 2 * _CHUNK:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+            return f"crc32:{crc:08x}"
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-crc") as pool:
+            chunk = f.read(_CHUNK)
+            while chunk:
+                pending = pool.submit(zlib.crc32, chunk, crc)
+                chunk = f.read(_CHUNK)
+                crc = pending.result()
     return f"crc32:{crc:08x}"
+
+
+class _ChecksummedFile:
+    """A file opened for writing whose CRC-32 follows the bytes written to it: each piece is checksummed on `pool`'s
+    thread while this thread writes it (zlib and the write both release the GIL). Pieces under _INLINE (records'
+    headers) are checksummed here. DCP and torch.save write each file front to back; a seek would break that, so
+    `sequential` goes False and the writer reads the file back instead."""
+
+    _INLINE = 1 * MiB
+
+    def __init__(self, file: io.BufferedWriter, pool: ThreadPoolExecutor) -> None:
+        self._file = file
+        self._pool = pool
+        self.crc = 0
+        self.written = 0
+        self.sequential = True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, _CHUNK):
+            piece = view[start : start + _CHUNK]
+            if piece.nbytes < self._INLINE:
+                self.crc = zlib.crc32(piece, self.crc)
+                self._file.write(piece)
+            else:
+                crc = self._pool.submit(zlib.crc32, piece, self.crc)
+                self._file.write(piece)
+                self.crc = crc.result()  # before returning: the caller may reuse its buffer then
+        self.written += view.nbytes
+        return view.nbytes
+
+    def seek(self, *args: Any) -> int:
+        self.sequential = False
+        return self._file.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (DCP's fsync), close, ...: the file's own
+        return getattr(self._file, name)
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, its files for writing opened as _ChecksummedFile; `files` holds each one written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: dict[str, _ChecksummedFile] = {}
+        self.pool: ThreadPoolExecutor | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "wb" or self.pool is None:  # .metadata (checksummed by collect), and reads
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as f:
+            checked = _ChecksummedFile(f, self.pool)
+            self.files[os.path.basename(path)] = checked
+            yield checked  # type: ignore[misc]  # a file-like DCP writes, tells, flushes and fsyncs
 
 
 class ChecksummingWriter(FileSystemWriter):
@@ -64,13 +138,33 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.fs = _ChecksummingFileSystem()
         self.sums: dict[str, str] = {}
         self.bytes = 0  # the size of the files it wrote
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        done = super().write_data(plan, planner)  # FileSystemWriter writes before it returns (a completed future)
+        fs = self.fs
+        assert isinstance(fs, _ChecksummingFileSystem)
+        record_crc = torch.serialization.get_crc32_options()
+        fs.files, fs.pool = {}, ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-crc")
+        # Process-wide, for the span of this write: another thread's torch.save meanwhile skips it too (harmless:
+        # torch.load does not check it).
+        torch.serialization.set_crc32_options(False)
+        try:
+            done = super().write_data(plan, planner)  # FileSystemWriter writes before it returns (a completed future)
+        finally:
+            torch.serialization.set_crc32_options(record_crc)
+            fs.pool.shutdown()
+            fs.pool = None
         files = sorted({r.storage_data.relative_path for r in done.value()})
-        sums = {name: file_checksum(os.path.join(self.path, name)) for name in files}
+        sums = {}
+        for name in files:
+            path = os.path.join(self.path, name)
+            stream = fs.files.get(name)
+            if stream is not None and stream.sequential and stream.written == os.path.getsize(path):
+                sums[name] = f"crc32:{stream.crc:08x}"
+            else:  # not written front to back through the stream: read it back
+                sums[name] = file_checksum(path)
         rank = dist.get_rank() if dist.is_initialized() else 0
         write_atomic(os.path.join(self.path, f"{SIDECAR}{rank}.json"), json.dumps(sums).encode())
         self.sums = sums
@@ -123,14 +217,21 @@ def verify(path: str, only: Collection[str] | None = None) -> None:
     `only`: `path` is this rank's download of an object-storage step (read once): this rank checks these files of
     it, each whole, and no others (the ranks that fetched the rest whole check those; objects.check_ranges the
     ranges fetched of them)."""
+    agree_on(check_files(path, only))
+
+
+def check_files(path: str, only: Collection[str] | None = None) -> str | None:
+    """verify()'s reading part, on this rank alone (no collective: it may run on a helper thread beside the
+    training thread's own collectives): the first mismatch among this rank's share, or None. agree_on() then makes
+    every rank raise the first rank's. A kiln.json that cannot be read raises here (every rank reads the same one)."""
     sums = recorded_checksums(path)
     if sums is None:
         logger.warning(f"Checkpoint {path} records no checksums (saved by an older kiln or another tool): unverified")
-        return
+        return None
     # Every file a load reads, whatever the record lists: a deleted entry must not hide a damaged file.
     unlisted = sorted(n for n in os.listdir(path) if (n == METADATA or n.endswith(".distcp")) and n not in sums)
-    if unlisted:
-        raise CheckpointError(  # every rank lists the same folder: all raise the same, no collective to agree on
+    if unlisted:  # every rank lists the same folder: all find the same
+        return (
             f"checkpoint file {os.path.join(path, unlisted[0])} has no checksum in {os.path.join(path, MARKER)} "
             "(every file a load reads must have one: the record was edited or cut); not loaded: copy the checkpoint "
             "again from a good copy, or resume from another checkpoint (checkpoint.load_step)"
@@ -139,14 +240,18 @@ def verify(path: str, only: Collection[str] | None = None) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if only is not None:
         sums = {n: want for n, want in sums.items() if n in only}
-    error = None
     for i, (name, want) in enumerate(sorted(sums.items())):
         if only is not None or i % world == rank:
             error = _mismatch(path, name, want)
             if error is not None:
-                break
-    if world > 1:
-        errors: list[str | None] = [None] * world
+                return error
+    return None
+
+
+def agree_on(error: str | None) -> None:
+    """Every rank raises the first rank's check_files error (rank order) as a CheckpointError; nothing if none."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # object collectives run on CPU (gloo) in kiln's process groups
         error = next((e for e in errors if e is not None), None)
     if error is not None:

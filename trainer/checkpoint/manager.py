@@ -30,10 +30,11 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,15 @@ from kiln_base.config import Checkpoint
 from kiln_base.errors import CheckpointError
 from kiln_base.files import url_scheme
 from kiln_base.internals import dtensor_local_tensor, flatten_state_dict, float8_weight_inner, mxfp8_weight_data
-from trainer.checkpoint.checksums import METADATA, ChecksummingWriter, collect, file_checksum, verify
+from trainer.checkpoint.checksums import (
+    METADATA,
+    ChecksummingWriter,
+    agree_on,
+    check_files,
+    collect,
+    file_checksum,
+    verify,
+)
 from trainer.checkpoint.folder import (
     MARKER,  # noqa: F401  (re-exported: scripts/convert_hf.py reads it from here)
     Entry,
@@ -306,6 +315,32 @@ def _gathered(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+T = TypeVar("T")
+
+
+def _in_background(fn: Callable[..., T], *args: Any) -> Callable[[], T]:
+    """fn(*args) on a daemon thread; the returned call waits for it and returns its result (or raises its error).
+    Daemon: a refusal raised meanwhile ends the process without waiting for the reads."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="kiln-verify", daemon=True)
+    thread.start()
+
+    def result() -> T:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    return result
+
+
 class CheckpointManager:
     """Saves and loads `states` (model, optimizer, lr_scheduler, dataloader, train_state) under `folder`."""
 
@@ -542,6 +577,10 @@ class CheckpointManager:
             check_stored_args(entry, self.states[MODEL])
         self._check_planned_saves(entries, 0 if weights_only else entry.step, last_step)
         t0 = time.perf_counter()
+        # A folder's checksums are read on a helper thread while the state dict to load into is built (the
+        # optimizer's moments allocated: CPU work beside the disk's); every rank's verdict is in before any record
+        # is read.
+        checking = None if isinstance(entry, ObjectEntry) else _in_background(check_files, path)
         sd = self._state_dict(weights_only)
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
         with self._local(entry) as local:  # object storage: the downloaded bytes are what is checked and read
@@ -551,8 +590,8 @@ class CheckpointManager:
                 whole, ranges = fetch_planned(entry, local, planned_ranges(sd, md))
                 verify(local, only={METADATA, *whole})  # damage: one CheckpointError, on every rank
                 check_ranges(local, whole, ranges, entry.path)
-            else:
-                verify(local)
+            elif checking is not None:
+                agree_on(checking())  # damage: one CheckpointError, on every rank
             load(sd, local, md)
         self._check_loaded(sd, entry, weights_only)
         model = self.states[MODEL]

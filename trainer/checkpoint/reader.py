@@ -446,6 +446,9 @@ def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         yield prefix[:-1], tree.to_local() if isinstance(tree, DTensor) else tree
 
 
+_SUMMABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def check_loaded_state(sd: Mapping[str, Any], path: str, step: int | None, n_words: int) -> None:
     """Every value a checkpoint loaded into `sd`, against what kiln writes, before any is applied: each floating
     tensor (weights, AdamW moments) finite, kiln never saves after a non-finite step; then, for a full checkpoint
@@ -453,7 +456,13 @@ def check_loaded_state(sd: Mapping[str, Any], path: str, step: int | None, n_wor
     the folder's name and the data loader's buffered token ids below `n_words`. CheckpointError naming the key and
     what is valid. This rank's shards only: the caller makes the ranks agree."""
     for key, t in _tensors(sd):
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        # A finite sum means every value is finite (one NaN or inf makes it NaN or inf), ~20x faster than isfinite
+        # over every value; a non-finite sum may be an overflow of finite values, so only then is each looked at.
+        if t.dtype in _SUMMABLE and bool(torch.isfinite(t.sum())):
+            continue
+        if not bool(torch.isfinite(t).all()):
             raise CheckpointError(
                 f"checkpoint {path}: '{key}' holds NaN or infinite values, but kiln never saves after a non-finite "
                 "step (a damaged or crafted checkpoint; not loaded)"
