@@ -147,8 +147,9 @@ class ChecksummingWriter(FileSystemWriter):
         assert isinstance(fs, _ChecksummingFileSystem)
         record_crc = torch.serialization.get_crc32_options()
         fs.files, fs.pool = {}, ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-crc")
-        # Process-wide, for the span of this write: another thread's torch.save meanwhile skips it too (harmless:
-        # torch.load does not check it).
+        # For the span of this write, in the thread that writes (torch 2.13 keeps the setting per thread; where a
+        # torch keeps it per process, another thread's torch.save meanwhile skips it too: harmless, torch.load does
+        # not check it).
         torch.serialization.set_crc32_options(False)
         try:
             done = super().write_data(plan, planner)  # FileSystemWriter writes before it returns (a completed future)
