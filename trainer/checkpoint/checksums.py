@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from kiln_base.errors import CheckpointError
 from kiln_base.files import FileRefused, MiB, loads_json, read_bounded, require_regular, write_atomic
-from trainer.checkpoint.folder import MARKER, MARKER_LIMIT
+from trainer.checkpoint.folder import MARKER, MARKER_LIMIT, agree
 
 logger = logging.getLogger("kiln")
 
@@ -251,10 +251,7 @@ def check_files(path: str, only: Collection[str] | None = None) -> str | None:
 
 def agree_on(error: str | None) -> None:
     """Every rank raises the first rank's check_files error (rank order) as a CheckpointError; nothing if none."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)  # object collectives run on CPU (gloo) in kiln's process groups
-        error = next((e for e in errors if e is not None), None)
+    error = agree(error)
     if error is not None:
         raise CheckpointError(error)
 

@@ -320,7 +320,8 @@ T = TypeVar("T")
 
 def _in_background(fn: Callable[..., T], *args: Any) -> Callable[[], T]:
     """fn(*args) on a daemon thread; the returned call waits for it and returns its result (or raises its error).
-    Daemon: a refusal raised meanwhile ends the process without waiting for the reads."""
+    Daemon: a refusal raised meanwhile ends the process without waiting for the reads (but for the one 8 MiB
+    piece file_checksum's helper may be checksumming)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
