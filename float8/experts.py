@@ -60,6 +60,32 @@ def counting_grouped_gemms(count: Callable[[bool], None]) -> Iterator[None]:
         _COUNTER.reset(token)
 
 
+@torch.library.custom_op("kiln::low_precision_grouped_gemm_offsets", mutates_args=())
+def _traced_offsets(offs: torch.Tensor) -> torch.Tensor:
+    """A copy of a low-precision grouped GEMM's group ends (E int32 values), which the GEMM then reads: in a
+    compiled graph the op stays (opaque to dynamo), and its fake kernel, run while the graph is traced, reports the
+    GEMM to the first-step counter."""
+    return offs.clone()
+
+
+@_traced_offsets.register_fake
+def _(offs: torch.Tensor) -> torch.Tensor:
+    count = _COUNTER.get()
+    if count is not None:
+        count(True)
+    return torch.empty_like(offs)
+
+
+def _report(offs: torch.Tensor) -> torch.Tensor:
+    """A low-precision grouped GEMM to the first-step counter: run, or traced into a compiled graph."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace a context variable: the custom op reads it
+        return torch.ops.kiln.low_precision_grouped_gemm_offsets(offs)
+    count = _COUNTER.get()
+    if count is not None:
+        count(False)
+    return offs
+
+
 def _rowwise_cast(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x through torchao's float8 rowwise cast along `dim` (one scale per slice: e4m3's largest value over the
     slice's amax, rounded down to a power of 2; saturated), dequantised: the values the float8 GEMM multiplies."""
@@ -86,6 +112,39 @@ def _per_group_colwise_cast(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     return (to_fp8_saturated(x.float() * scale, E4M3).float() / scale).to(x.dtype)
 
 
+# The emulated float8 rowwise grouped GEMM's three GEMMs: name -> (the left and right operands' casts) as torchao
+# casts them (`_Float8GroupedMM`, torchao 0.18).
+_OUTPUT, _GRAD_INPUT, _GRAD_WEIGHT = "output", "grad_input", "grad_weight"
+
+
+@torch.library.custom_op("kiln::emulated_float8_grouped_mm", mutates_args=())
+def emulated_float8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gemm: str) -> torch.Tensor:
+    """One GEMM of the float8 rowwise grouped GEMM, its operands cast to float8 and dequantised, multiplied with
+    torch._grouped_mm in a's dtype. A custom op: a compiled graph calls it as one eager kernel (float32
+    torch._grouped_mm has no meta kernel under torch.compile; the casts are what the emulation must keep).
+    - output: a (rows, k) @ b (E, k, n) -> (rows, n); a's rows scaled along k, each expert's weight per output
+      column (along k)
+    - grad_input: a = grad (rows, n), b = the weight (E, k, n) -> (rows, k): grad's rows along n, each expert's
+      weight per row of w_t (along n)
+    - grad_weight: a (rows, k), b = grad (rows, n) -> (E, k, n): both scaled per column within each expert's rows
+      (the contraction)"""
+    if gemm == _OUTPUT:
+        return grouped_mm(_rowwise_cast(a, -1), _rowwise_cast(b, -2).to(a.dtype), offs)
+    if gemm == _GRAD_INPUT:
+        return grouped_mm(_rowwise_cast(a, -1), _rowwise_cast(b, -1).to(a.dtype).transpose(-2, -1), offs)
+    assert gemm == _GRAD_WEIGHT, gemm
+    return grouped_mm(_per_group_colwise_cast(a, offs).t(), _per_group_colwise_cast(b, offs), offs)
+
+
+@emulated_float8_grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gemm: str) -> torch.Tensor:
+    if gemm == _OUTPUT:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    if gemm == _GRAD_INPUT:
+        return a.new_empty(a.shape[0], b.shape[-2])
+    return a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
+
+
 class _EmulatedFloat8GroupedMM(torch.autograd.Function):
     """torchao's float8 rowwise grouped GEMM (`_Float8GroupedMM`, torchao 0.18) with its three GEMMs' operands cast
     as torchao casts them and multiplied dequantised in high precision: a (rows, k), b_t (E, k, n), offs (E,)."""
@@ -93,17 +152,15 @@ class _EmulatedFloat8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b_t, offs)
-        # output: a's rows scaled along k; each expert's weight per output column (along k)
-        return grouped_mm(_rowwise_cast(a, -1), _rowwise_cast(b_t, -2).to(a.dtype), offs)
+        return torch.ops.kiln.emulated_float8_grouped_mm(a, b_t, offs, _OUTPUT)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         a, b_t, offs = ctx.saved_tensors
         grad = grad.to(a.dtype)
-        # grad_input = grad @ w: grad's rows along n, each expert's weight per row of w_t (along n)
-        grad_a = grouped_mm(_rowwise_cast(grad, -1), _rowwise_cast(b_t, -1).to(a.dtype).transpose(-2, -1), offs)
-        # grad_weight = a^T @ grad per expert: both scaled per column within the expert's rows (the contraction)
-        grad_b = grouped_mm(_per_group_colwise_cast(a, offs).t(), _per_group_colwise_cast(grad, offs), offs)
+        gemm = torch.ops.kiln.emulated_float8_grouped_mm
+        grad_a = gemm(grad, b_t, offs, _GRAD_INPUT)
+        grad_b = gemm(a, grad, offs, _GRAD_WEIGHT)
         return grad_a, grad_b.to(b_t.dtype), None
 
 
@@ -122,17 +179,16 @@ class LowPrecisionGroupedGemm(GroupedGemm):
     def runs(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """torchao's grouped GEMMs take float32 or bf16 operands on a GPU, and MXFP8's emulation on a CPU too
         (dims checked at start-up: float8.moe_fqns); kiln's float8 emulation ends in torch._grouped_mm in the
-        operands' dtype, so torch._grouped_mm's rule (models/moe.py grouped_mm_runs) is its rule."""
+        operands' dtype, called eagerly (a custom op, also in a compiled graph), so torch._grouped_mm's eager rule
+        (models/moe.py grouped_mm_runs) is its rule."""
         if self.emulated and self.mxfp8_config is None:
-            return grouped_mm_runs(x, *weights)
+            return grouped_mm_runs(x, *weights, eager=True)
         return x.device.type in ("cpu", "cuda") and all(
             t.dtype in (torch.float32, torch.bfloat16) for t in (x, *weights)
         )
 
     def __call__(self, x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        count = _COUNTER.get()
-        if count is not None:
-            count(torch.compiler.is_compiling())
+        offs = _report(offs)
         if self.mxfp8_config is not None and self.emulated:
             # torchao's MXFP8 emulation dequantises to bf16 and multiplies in bf16 (any other out_dtype is refused on
             # a CPU): float32 operands go in as bf16, the result comes back in x's dtype.

@@ -39,11 +39,12 @@ from models.init import ParamInit, trunc
 ROUTER_STATS = ("fraction_routed", "mean_probability")
 
 
-def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor, eager: bool = False) -> bool:
     """Whether torch._grouped_mm computes on these operands: bf16 on CUDA, float32 or bf16 on CPU (torch 2.13;
     under torch.compile bf16 only: its meta kernel refuses float32), with every row 16-byte aligned (the kernels'
-    stride rule: dim and hidden multiples of 8 in bf16, 4 in fp32)."""
-    bf16_only = x.device.type == "cuda" or torch.compiler.is_compiling()
+    stride rule: dim and hidden multiples of 8 in bf16, 4 in fp32). `eager`: the call runs eagerly even inside a
+    compiled graph (in a custom op, opaque to torch.compile), so the eager rule holds."""
+    bf16_only = x.device.type == "cuda" or (torch.compiler.is_compiling() and not eager)
     ok_dtypes = (torch.bfloat16,) if bf16_only else (torch.float32, torch.bfloat16)
     if x.device.type not in ("cpu", "cuda") or x.dtype not in ok_dtypes:
         return False

@@ -790,10 +790,12 @@ def check_float8_experts(cfg: Float8, shape: ModelShape, flavor: str, compile_on
             f"{multiple}, but {', '.join(bad)} is not; keep the experts high precision (drop float8.moe_fqns) or "
             f"change the shape"
         )
-    if compile_on:
+    if compile_on and cfg.is_mxfp8 and cfg.emulate:
+        # torchao's emulated MXFP8 casts fail in inductor's CPU code generation (an AssertionError on tile sizes in
+        # the first step, torch 2.13); float8 rowwise's emulation is a custom op that compiled graphs call eagerly.
         raise ConfigError(
-            "float8.moe_fqns with training.compile: float8 on the experts is not composed with torch.compile in kiln "
-            "yet; drop one of them"
+            f"float8.moe_fqns with recipe_name {cfg.recipe}, float8.emulate and training.compile: inductor cannot "
+            "compile torchao's emulated MXFP8 grouped GEMMs; drop training.compile, or use recipe_name rowwise"
         )
 
 

@@ -446,8 +446,8 @@ ROWS_LIST: tuple[Key, ...] = (
     honour(
         "parallelism.expert_parallel_degree",
         V02,
-        "ranks borrowed from the data-parallel shard ranks (and the CP ranks, as torchtitan does); with PP and CP, "
-        "not yet with TP or compile (docs/moe.md)",
+        "ranks borrowed from the data-parallel shard ranks (and the CP ranks, as torchtitan does); with PP, CP, "
+        "TP (EP over the TP ranks) and compile (the dispatch eager between compiled graphs): docs/moe.md",
     ),
     honour("parallelism.expert_tensor_parallel_degree", V02, "1 only: no tensor parallelism inside the experts"),
     ignore_if(

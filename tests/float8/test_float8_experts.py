@@ -161,6 +161,19 @@ def test_emulated_float8_grouped_gemm_is_torchaos_casts_per_expert() -> None:
     assert 25 < _sqnr(out.detach(), exact) < 40
 
 
+def test_the_emulated_gemms_are_custom_ops_whose_fake_kernels_agree() -> None:
+    """The emulation's three GEMMs and the first-step report are custom ops, opaque to torch.compile: torch's own
+    check of each (schema, fake kernel's shapes and strides against the real one, no aliasing) passes."""
+    torch.manual_seed(0)
+    offs = torch.tensor([16, 32, 64, 80], dtype=torch.int32)
+    a, grad = torch.randn(80, 32), torch.randn(80, 48)
+    b_t = torch.randn(4, 48, 32).transpose(-2, -1)
+    gemm = torch.ops.kiln.emulated_float8_grouped_mm
+    for args in ((a, b_t, offs, "output"), (grad, b_t, offs, "grad_input"), (a, grad, offs, "grad_weight")):
+        torch.library.opcheck(gemm, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.kiln.low_precision_grouped_gemm_offsets, (offs,))
+
+
 def test_mxfp8_grouped_gemm_runs_torchaos_emulation() -> None:
     """torchao's emulated MXFP8 grouped GEMM through the experts' gemm: float32 out, MXFP8-sized error (e4m3 with
     power-of-2 scales per 32 elements: ~30 dB) in the output and both gradients."""
