@@ -25,7 +25,7 @@ import contextlib
 import pickle
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,18 @@ def is_checkpoint_wrapped(module: nn.Module) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     return isinstance(module, CheckpointWrapper)
+
+
+def compile_inside_checkpoint(wrapper: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """torch.compile the module a checkpoint_wrapper wraps, in place: the checkpoint stays eager, and its forward and
+    its recompute both run the compiled module. Returns the compiled module (an OptimizedModule).
+
+    Checked on torch 2.11.0, 2.13.0 (CheckpointWrapper calls its `_checkpoint_wrapped_module` child at each forward).
+    """
+    inner = cast(nn.Module, wrapper._checkpoint_wrapped_module)
+    compiled = cast(nn.Module, torch.compile(inner, **compile_kwargs))
+    wrapper.register_module("_checkpoint_wrapped_module", compiled)
+    return compiled
 
 
 def sac_op_output(ctx: Any, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from float8.converter import is_float8_linear
 from kiln_base.config import BF16_WIRE, ActivationCheckpoint, Float8, Parallelism, Training, resolve_mixed_precision
 from kiln_base.internals import (
+    compile_inside_checkpoint,
     enable_emulate_precision_casts,
     enable_micro_pipeline_tp,
     enable_tiled_reductions,
@@ -140,23 +141,26 @@ def apply_compile(model: Transformer, float8: Float8) -> None:
     if float8.enable_float8_linear:
         enable_tiled_reductions()
         logger.info("float8 + compile: inductor tile_reductions on (coalesced transposed float8 copies)")
-    dispatching, eager_blocks = 0, 0
+    dispatching, inside_checkpoint = 0, 0
     for name, block in model.layers.named_children():
         # An expert-parallel MoE layer's dispatch, experts and combine run eagerly (torch.compiler.disable: the
         # all-to-all's split sizes are a host sync), the rest of the block in graphs around them, of fixed shapes
-        # (the tokens x top k rows in and out): the varying rows per expert recompile nothing. A checkpointed such
-        # block runs eagerly whole: dynamo does not compile a checkpoint with an eager call inside (torch 2.13).
+        # (the tokens x top k rows in and out): the varying rows per expert recompile nothing. Dynamo does not
+        # compile a checkpoint with an eager call inside (torch 2.13: it would run the block eagerly whole), so a
+        # checkpointed such block is compiled inside its checkpoint, which stays eager and recomputes through the
+        # same graphs.
         eager_part = any(isinstance(m, ExpertParallelExperts) for m in block.modules())
         dispatching += eager_part
-        eager_blocks += eager_part and is_checkpoint_wrapped(block)
-        compiled = cast(nn.Module, torch.compile(block, fullgraph=not eager_part))  # an OptimizedModule
+        if eager_part and is_checkpoint_wrapped(block):
+            inside_checkpoint += 1
+            compiled = compile_inside_checkpoint(block, fullgraph=False)
+        else:
+            compiled = cast(nn.Module, torch.compile(block, fullgraph=not eager_part))  # an OptimizedModule
+            model.layers.register_module(name, compiled)
         # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
         compiled.register_forward_pre_hook(wait_async_collective_inputs)
-        model.layers.register_module(name, compiled)
     if dispatching:
-        checkpointed = f"; {eager_blocks} checkpointed blocks run eagerly whole (activation_checkpoint)" * bool(
-            eager_blocks
-        )
+        checkpointed = f" ({inside_checkpoint} inside their activation checkpoint)" * bool(inside_checkpoint)
         logger.info(
             f"compile: the expert-parallel dispatch and experts of {dispatching} MoE layers run eagerly, the rest of "
             f"each block compiled around them{checkpointed}"

@@ -410,14 +410,15 @@ def _check_expert_parallel_flags(cfg: JobConfig) -> None:
     )
     ac = cfg.activation_checkpoint
     ep = p.expert_parallel_degree
-    # Measured (torch 2.13): the eager dispatch inside a compiled, checkpointed block makes dynamo run the checkpoint
-    # itself eagerly; its recompute then runs the block uncompiled, whose ops per-op SAC finds differ from the
-    # forward's ("invocation index ... not found in storage").
+    # Measured (torch 2.13): with the eager dispatch inside, the block compiles inside its (eager) checkpoint
+    # (parallelisms/parallelize.py apply_compile), and per-op SAC's recompute then meets other ops than its forward
+    # recorded ("_record_function_enter_new ... invocation index 3 ... not found in storage"). (Compiled outside
+    # the checkpoint, dynamo ran the checkpoint eagerly and its recompute uncompiled: the same refusal.)
     _check(
         not (ep > 1 and cfg.training.compile and ac.mode == "selective" and ac.selective_ac_option == "op"),
         f"parallelism.expert_parallel_degree {ep} with training.compile and per-op selective activation "
-        "checkpointing: the dispatch runs eagerly inside each compiled block, whose recompute then runs uncompiled, "
-        "which per-op SAC refuses; use activation_checkpoint.mode full or none, or selective_ac_option N",
+        "checkpointing: the dispatch runs eagerly between each block's compiled graphs, whose recompute per-op SAC "
+        "cannot match to its forward; use activation_checkpoint.mode full or none, or selective_ac_option N",
     )
 
 

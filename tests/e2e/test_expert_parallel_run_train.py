@@ -45,23 +45,30 @@ def test_ep2_follows_one_rank(tmp_path: Path) -> None:
 
 
 def test_ep2_compiled_follows_one_rank_without_recompiling(tmp_path: Path) -> None:
-    """EP 2 under training.compile (no activation checkpointing: a checkpointed EP block runs eagerly whole, said at
-    start): each MoE layer's dispatch runs eagerly between its block's graphs (parallelisms/parallelize.py
-    apply_compile; dynamo traces the MoE layer's forward around it). The losses and gradient norms are the eager
-    one-rank run's within 1e-4 relative (compiled kernels sum in another order), and nothing recompiles although
-    every step routes a different number of rows to each expert's rank (TORCH_LOGS=recompiles prints each one)."""
-    args = ("--activation_checkpoint.mode", "none")
-    one = steps(1, tmp_path / "one", "--training.local_batch_size", "2", *args)
+    """EP 2 under training.compile, every second block checkpointed (selective_ac_option 2): each MoE layer's dispatch
+    runs eagerly between its block's graphs (parallelisms/parallelize.py apply_compile; dynamo traces the MoE layer's
+    forward around it), the checkpointed block compiled inside its checkpoint (said at start). The losses and
+    gradient norms are the eager one-rank run's within 1e-4 relative (compiled kernels sum in another order), and
+    nothing recompiles although every step routes a different number of rows to each expert's rank
+    (TORCH_LOGS=recompiles prints each one)."""
+    one = steps(1, tmp_path / "one", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none")
     ep = steps(
         2,
         tmp_path / "ep2",
-        *("--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "1", *args),
+        *("--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "1"),
+        *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"),
         "--training.compile",
         env={"TORCH_LOGS": "recompiles,dynamo"},
     )
     out = (tmp_path / "ep2.out").read_text()
-    assert "the expert-parallel dispatch and experts of 2 MoE layers run eagerly, the rest of each block" in out
+    assert (
+        "the expert-parallel dispatch and experts of 2 MoE layers run eagerly, the rest of each block compiled around "
+        "them (1 inside their activation checkpoint)"
+    ) in out
     assert re.search(r"torchdynamo start tracing forward \S*models/moe\.py", out), out[-6000:]
+    # The checkpoint itself not traced: compiled around it, dynamo failed to capture it and ran the block eagerly whole
+    assert not re.search(r"torchdynamo start tracing forward \S*checkpoint_wrapper\.py", out), out[-6000:]
+    assert "unable to trace" not in out, out[-6000:]
     assert "Recompiling function" not in out, out[-6000:]
     for (loss, norm), (want_loss, want_norm) in zip(ep, one, strict=True):
         assert math.isclose(float(loss), float(want_loss), rel_tol=1e-4), (ep, one)

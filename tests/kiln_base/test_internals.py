@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import inspect
 from collections.abc import Iterator
 from datetime import timedelta
@@ -77,6 +78,30 @@ def test_is_checkpoint_wrapped_knows_the_ac_wrapper() -> None:
     assert internals.is_checkpoint_wrapped(internals.checkpoint_wrapper(block)) and not internals.is_checkpoint_wrapped(
         block
     )
+
+
+def test_compile_inside_checkpoint_compiles_the_wrapped_module_in_place() -> None:
+    """The wrapper stays (eager checkpoint), its child becomes the compiled module, whose graph runs in the forward
+    and again in the recompute: the same output and gradients as the eager module, and the state dict's names
+    unchanged but for the compile wrapper's part."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    wrapper = internals.checkpoint_wrapper(copy.deepcopy(plain))
+    compiled = internals.compile_inside_checkpoint(wrapper, fullgraph=True)
+    assert internals.is_checkpoint_wrapped(wrapper) and internals.is_compiled_module(compiled)
+    assert [n for n, c in wrapper.named_children()] == ["_checkpoint_wrapped_module"] and next(
+        wrapper.children()
+    ) is compiled
+    x = torch.randn(3, 4, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    before = internals.dynamo_graphs_compiled()
+    wrapper(x).square().sum().backward()
+    assert internals.dynamo_graphs_compiled() > before
+    plain(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    for (name, p), (plain_name, q) in zip(wrapper.named_parameters(), plain.named_parameters(), strict=True):
+        assert internals.unwrapped_fqn("." + name).lstrip(".") == plain_name
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 # ----------------------------------------------------------------------------- selective activation checkpointing
