@@ -153,12 +153,13 @@ def apply_compile(model: Transformer, float8: Float8) -> None:
         dispatching += eager_part
         if eager_part and is_checkpoint_wrapped(block):
             inside_checkpoint += 1
-            compiled = compile_inside_checkpoint(block, fullgraph=False)
+            compile_inside_checkpoint(block, fullgraph=False)
+            outer = block  # the eager checkpoint wrapper
         else:
-            compiled = cast(nn.Module, torch.compile(block, fullgraph=not eager_part))  # an OptimizedModule
-            model.layers.register_module(name, compiled)
-        # A hook on the compiled wrapper runs eagerly, before the compiled graph sees the inputs.
-        compiled.register_forward_pre_hook(wait_async_collective_inputs)
+            outer = cast(nn.Module, torch.compile(block, fullgraph=not eager_part))  # an OptimizedModule
+            model.layers.register_module(name, outer)
+        # A hook on the outer (eager) wrapper runs before the compiled graph sees the inputs.
+        outer.register_forward_pre_hook(wait_async_collective_inputs)
     if dispatching:
         checkpointed = f" ({inside_checkpoint} inside their activation checkpoint)" * bool(inside_checkpoint)
         logger.info(

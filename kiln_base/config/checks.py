@@ -418,7 +418,9 @@ def _check_expert_parallel_flags(cfg: JobConfig) -> None:
         not (ep > 1 and cfg.training.compile and ac.mode == "selective" and ac.selective_ac_option == "op"),
         f"parallelism.expert_parallel_degree {ep} with training.compile and per-op selective activation "
         "checkpointing: the dispatch runs eagerly between each block's compiled graphs, whose recompute per-op SAC "
-        "cannot match to its forward; use activation_checkpoint.mode full or none, or selective_ac_option N",
+        "cannot match to its forward; use activation_checkpoint.mode full or none, or selective_ac_option N"
+        + " (with tensor parallelism on a CPU only none: TP refuses whole-block AC with compile there)"
+        * (p.tensor_parallel_degree > 1),
     )
 
 
