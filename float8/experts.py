@@ -112,8 +112,8 @@ def _per_group_colwise_cast(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     return (to_fp8_saturated(x.float() * scale, E4M3).float() / scale).to(x.dtype)
 
 
-# The emulated float8 rowwise grouped GEMM's three GEMMs: name -> (the left and right operands' casts) as torchao
-# casts them (`_Float8GroupedMM`, torchao 0.18).
+# The names of the emulated float8 rowwise grouped GEMM's three GEMMs (torchao 0.18's `_Float8GroupedMM` computes
+# the same three); each one's casts are in emulated_float8_grouped_mm.
 _OUTPUT, _GRAD_INPUT, _GRAD_WEIGHT = "output", "grad_input", "grad_weight"
 
 
