@@ -11,8 +11,13 @@
   a resume is bitwise only in the layout that saved; another layout sums the loss and the gradients over its
   ranks in another order, so its steps are a float32 ulp or so from one rank's (EP from scratch alike).
 
+- `--profiling.saved_activations_report` measures an EP step (it once crashed reading the storage of a functional
+  all-to-all's output): each EP 2 rank keeps its experts' grouped-GEMM activations and the dispatched tokens (the
+  all-to-all's output), and what the two ranks' experts keep of their SiLU adds up to one rank's (the same routed
+  tokens, split).
+
 Runs shared between the assertions: one group of 2 ranks, one of 4 (EP 4 from scratch, then the EP 4 resume), one
-of 1 (the straight run, then the last resume).
+of 1 (the straight run, then the last resume); the reports run in the 2- and 1-rank groups.
 """
 
 from __future__ import annotations
@@ -97,6 +102,18 @@ def train(world: int, dump: Path, store: str, at: tuple[int, ...] = ()) -> dict[
     return {"losses": trainer.losses, "grad_norms": record.grad_norms, "first": record.first, "saved": record.saved}
 
 
+def saved_bytes(world: int, dump: Path, store: str) -> list[dict[str, int]]:
+    """Every rank's saved-activation report (bytes by producing op) for one step of this layout."""
+    reopen_group(store)
+    forget_dtensor_plans()
+    argv = [*COMMON, *LAYOUT[world], "--job.dump_folder", str(dump), "--profiling.saved_activations_report"]
+    with open_trainer(argv) as trainer:
+        report = {r.op: r.nbytes for r in trainer.report_saved_activations().rows}
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, report)
+    return reports
+
+
 def resume_from(src: Path, step: int, dump: Path) -> None:
     """Rank 0 copies only `src`'s step-`step` checkpoint into a fresh dump folder (a copy handed over)."""
     if dist.get_rank() == 0:
@@ -109,6 +126,7 @@ def _group(world: int, folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if world == 2:
         out["ep2"] = train(2, root / "ep2", f"{folder}/s2", at=(2,))
+        out["ep2_saved"] = saved_bytes(2, root / "ep2_saved", f"{folder}/s2b")
     elif world == 4:
         out["ep4"] = train(4, root / "ep4", f"{folder}/s4a")
         reopen_group(f"{folder}/s4b")
@@ -119,6 +137,7 @@ def _group(world: int, folder: str) -> dict[str, Any]:
         reopen_group(f"{folder}/s1b")
         resume_from(root / "ep4_resumed", 4, root / "one_resumed")
         out["one_resumed"] = train(1, root / "one_resumed", f"{folder}/s1b")
+        out["one_saved"] = saved_bytes(1, root / "one_saved", f"{folder}/s1c")
     return out if int(os.environ["RANK"]) == 0 else {}  # rank 0's record alone crosses back
 
 
@@ -166,3 +185,12 @@ def test_resumed_steps_follow_the_straight_run(resumed: str, after: int, runs: d
     straight, run = runs["one"], runs[resumed]
     assert close(run["losses"], straight["losses"][after:]), (run["losses"], straight["losses"])
     assert close(run["grad_norms"], straight["grad_norms"][after:]), (run["grad_norms"], straight["grad_norms"])
+
+
+def test_saved_activation_report_measures_expert_parallel(runs: dict[str, Any]) -> None:
+    ep2, (one,) = runs["ep2_saved"], runs["one_saved"]
+    grouped, dispatched = "aten._grouped_mm", "_c10d_functional.all_to_all_single"
+    assert len(ep2) == 2 and all(r.get(grouped, 0) > 0 and r.get(dispatched, 0) > 0 for r in ep2), ep2
+    assert one.get(grouped, 0) > 0 and dispatched not in one, one
+    # The experts' SiLU runs once on each routed token: the two ranks' tokens are one rank's, split.
+    assert sum(r["aten.silu"] for r in ep2) == one["aten.silu"], (ep2, one)

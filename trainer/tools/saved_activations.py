@@ -127,8 +127,13 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """The storage a tensor's memory lives in; None for a storage Python cannot read ("invalid python storage": a
+    traced SAC cache's tensor under compile, a functional collective's output inside the op that makes it)."""
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return None
 
 
 class _ProducerMode(CompileTransparentDispatchMode):
@@ -163,7 +168,7 @@ class _ProducerMode(CompileTransparentDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 key = _storage_key(t)
-                if key not in inputs or key not in self.producer:
+                if key is not None and (key not in inputs or key not in self.producer):
                     self.producer[key] = name
                     self.where[key] = GRAPH if self._in_graph else EAGER
         return out
@@ -179,11 +184,9 @@ def measure_saved_activations(model: nn.Module, forward: Callable[[], torch.Tens
 
     def keep(t: torch.Tensor) -> None:
         for p in _plain_tensors(t):
-            try:
-                key = _storage_key(p)
-            except RuntimeError:  # "invalid python storage": a traced SAC cache's tensor (CUDA, compile), no memory
-                continue
-            kept.setdefault(key, p)
+            key = _storage_key(p)
+            if key is not None:
+                kept.setdefault(key, p)
 
     params = {_storage_key(p) for q in model.parameters() for p in _plain_tensors(q.detach())}
 
