@@ -1,11 +1,13 @@
 """Bytes each rank reads from storage when a checkpoint loads, at 1, 2, 4 and 8 gloo ranks (CPU, FSDP2).
 
-    python benchmarks/read_once.py [--ranks 1 2 4 8] [--dim 256] [--layers 4] [--cases dcp hf s3]
+    python benchmarks/read_once.py [--ranks 1 2 4 8] [--dim 256] [--layers 4] [--cases dcp hf s3 s3_initial]
 
 Three loads, each of a checkpoint written by the same number of ranks, into a model FSDP-sharded over all ranks:
   dcp  a resume (model, AdamW, step) from a local step folder, through CheckpointManager.load;
   hf   an initial load of a Hugging Face folder (config.json + model.safetensors) through load_initial;
-  s3   the resume of `dcp` from an s3:// URL (moto's server in this process, tests/helpers/s3_server.py).
+  s3   the resume of `dcp` from an s3:// URL (moto's server in this process, tests/helpers/s3_server.py);
+  s3_initial  an initial load (checkpoint.initial_load_path, through load_initial) of that s3:// checkpoint's
+       weights (its size: the whole step, weights and AdamW moments; the load reads the weights' records).
 
 What is counted, per rank, is what kiln asks storage for, in kiln's read functions (patched by `counting`):
 the bytes each DCP record read covers (SafeFileSystemReader.read_data: every planned item's length), the files
@@ -39,7 +41,7 @@ from models import ModelArgs, Transformer  # noqa: E402
 
 COUNT: dict[str, int] = {}
 # What counts as read from storage, by case: s3's local copy is read again (checksums, DCP) from local disk.
-STORAGE = {"s3": ("s3",), "hf": ("safetensors",)}
+STORAGE = {"s3": ("s3",), "s3_initial": ("s3",), "hf": ("safetensors",)}
 
 
 def _add(what: str, n: int) -> None:
@@ -238,7 +240,8 @@ def write_hf(folder: str, args: ModelArgs) -> None:
     write_json(os.path.join(folder, CONFIG), hf_config(args, "float32"))
 
 
-def load_hf(folder: str, args: ModelArgs) -> tuple[dict[str, int], dict[str, list[float]]]:
+def load_source(folder: str) -> tuple[dict[str, int], dict[str, list[float]]]:
+    """Every rank: checkpoint.initial_load_path `folder` into a fresh sharded model; (counted bytes, its weights)."""
     from trainer.checkpoint.initial_load import load_initial, open_source
 
     source = open_source(folder)
@@ -260,17 +263,17 @@ def _rank(
         if dist.get_rank() == 0:
             write_hf(folder, args)
         dist.barrier()
-        return (*load_hf(folder, args), None)
+        return (*load_source(folder), None)
     saved = save_resume(folder, args)
     dist.barrier()
-    return (*load_resume(folder, args), saved)
+    return (*(load_source(folder) if case == "s3_initial" else load_resume(folder, args)), saved)
 
 
 def size_of(case: str, folder: str, s3: Any) -> int:
     """The bytes of the checkpoint a load of `case` reads: the step's files (hf: the safetensors file)."""
     if case == "hf":
         return os.path.getsize(os.path.join(folder, "model.safetensors"))
-    if case == "s3":
+    if case in ("s3", "s3_initial"):
         root = folder.removeprefix("s3://")
         return sum(s3.fs.du(f"{root}/step-1", total=False).values())
     return sum(p.stat().st_size for p in Path(folder, "step-1").iterdir())
@@ -280,7 +283,7 @@ def measure(case: str, world: int, dim: int, layers: int, work: str, s3: Any = N
     """One load of `case` on `world` ranks: the checkpoint's size, each rank's counted bytes and loaded state."""
     from tests.helpers.distributed import run_distributed
 
-    folder = s3.url(f"{case}-{world}-{os.getpid()}") if case == "s3" else os.path.join(work, f"{case}-{world}")
+    folder = s3.url(f"{case}-{world}-{os.getpid()}") if case.startswith("s3") else os.path.join(work, f"{case}-{world}")
     results = run_distributed(_rank, world, case, folder, dim, layers, s3.env if s3 is not None else {})
     storage = STORAGE.get(case)
     return {
@@ -297,12 +300,13 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--cases", nargs="+", default=["dcp", "hf", "s3"], choices=["dcp", "hf", "s3"])
+    cases = ["dcp", "hf", "s3", "s3_initial"]
+    parser.add_argument("--cases", nargs="+", default=cases, choices=cases)
     a = parser.parse_args()
     from tests.helpers.s3_server import S3Server
 
     with contextlib.ExitStack() as stack:
-        s3 = stack.enter_context(S3Server()) if "s3" in a.cases else None
+        s3 = stack.enter_context(S3Server()) if any(c.startswith("s3") for c in a.cases) else None
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-read-once-"))
         print(
             "| case | ranks | checkpoint MB | from storage per rank MB (max) | in all MB | in all / size | loaded = "

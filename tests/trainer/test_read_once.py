@@ -44,7 +44,8 @@ def test_a_box_of_each_hf_weight_is_that_box_of_the_whole_weight(tmp_path: Path)
 @pytest.mark.distributed
 def test_two_ranks_each_read_half_the_checkpoint_and_load_what_was_saved(tmp_path: Path, s3: S3Server) -> None:
     """2 FSDP ranks: a Hugging Face initial load takes about half the safetensors bytes per rank, an s3:// resume
-    fetches about half the step's objects per rank; each loads the weights one rank loads, or that were saved."""
+    and an initial load from the same s3:// checkpoint fetch about half the step's objects per rank; each loads the
+    weights one rank loads, or that were saved."""
     hf = read_once.measure("hf", 2, 64, 1, str(tmp_path))
     torch.manual_seed(0)
     model = read_once.Transformer(read_once.model_args(64, 1))
@@ -54,6 +55,11 @@ def test_two_ranks_each_read_half_the_checkpoint_and_load_what_was_saved(tmp_pat
     s3_load = read_once.measure("s3", 2, 64, 1, str(tmp_path), s3)
     assert s3_load["states"] == [s3_load["saved"]] * 2
     assert all(0.4 * s3_load["size"] < n < 0.65 * s3_load["size"] for n in s3_load["per_rank"]), s3_load
+    # checkpoint.initial_load_path of that s3:// checkpoint: its weights, each rank fetching about half the step
+    # (its own file whole, for the checksum; every rank downloaded the whole step before)
+    initial = read_once.measure("s3_initial", 2, 64, 1, str(tmp_path), s3)
+    assert initial["states"] == [initial["saved"]] * 2
+    assert all(0.4 * initial["size"] < n < 0.65 * initial["size"] for n in initial["per_rank"]), initial
 
 
 def test_a_range_one_rank_fetched_is_checked_against_the_owners_copy(tmp_path: Path) -> None:

@@ -9,9 +9,10 @@ key), so the same command resumes after a stop; the run's saves go to its own fo
 
 The path may be an object-storage URL (`s3://...`, `gs://...`): a Hugging Face folder (config.json there), a kiln step
 prefix (its kiln.json there: kiln writes it last) or a checkpoint folder (its newest step kiln.json completes). Its
-shape is read from config.json or kiln.json alone; the weights are downloaded (plain names only) into a local
-temporary folder when they load, read there exactly as a local source (checksums, restricted unpickler, records
-inside), and the download is deleted; messages name the URL.
+shape is read from config.json or kiln.json alone; when the weights load, their files (plain names only) are
+fetched into a local temporary folder, read there exactly as a local source (checksums, restricted unpickler,
+records inside), and the download is deleted; messages name the URL. A kiln step is read once (each rank fetches
+what its own load plan reads, as a resume from a URL does); a Hugging Face folder is downloaded whole on every rank.
 """
 
 from __future__ import annotations
@@ -169,83 +170,111 @@ def load_initial(
     source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None = None
 ) -> None:
     """Load the source's weights into `model` (built with source.args; sharded or not, float8 or not, a pipeline
-    rank's stages: `held_elsewhere` names the weights other stages load). A URL's files are downloaded first (every
-    rank downloads them all) and deleted once loaded."""
+    rank's stages: `held_elsewhere` names the weights other stages load). A URL's kiln step is read once: each rank
+    fetches the bytes its own load plan reads (as a resume from object storage does); a URL's Hugging Face folder
+    is downloaded whole on every rank. A download is deleted once loaded."""
     t0 = time.perf_counter()
     if url_scheme(source.path) is not None:
         from trainer.checkpoint.objects import download_prefix
 
         with tempfile.TemporaryDirectory(prefix="kiln-initial-") as local:
             try:
-                download_prefix(source.path, local, hf=source.kind == "hf")
-                _load_local(dataclasses.replace(source, path=local), model, held_elsewhere)
+                if source.kind == "kiln":
+                    _load_kiln(source.path, model, held_elsewhere, download=local)
+                else:
+                    download_prefix(source.path, local, hf=True)
+                    _load_hf(dataclasses.replace(source, path=local), model, held_elsewhere)
             except (CheckpointError, ConfigError) as e:  # name the URL, not the download
-                raise type(e)(str(e).replace(local, source.path)) from None
+                shown = os.path.join(local, os.path.basename(source.path)) if source.kind == "kiln" else local
+                raise type(e)(str(e).replace(shown, source.path)) from None
+    elif source.kind == "kiln":
+        _load_kiln(source.path, model, held_elsewhere)
     else:
-        _load_local(source, model, held_elsewhere)
+        _load_hf(source, model, held_elsewhere)
     logger.info(
         f"Loaded initial weights from {source.path} ({'Hugging Face' if source.kind == 'hf' else 'kiln'}) "
         f"in {time.perf_counter() - t0:.2f} s; training starts at step 0"
     )
 
 
-def _load_local(source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None) -> None:
+def _load_hf(source: InitialSource, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None) -> None:
+    """The model's weights from Hugging Face folder source.path. Read once: each rank reads only the box of each
+    weight it keeps (its shard) and none of the weights other stages hold; what each read is checked, and every
+    rank raises the first refusal (agree)."""
     elsewhere = dict(held_elsewhere or {})
     targets = _model_targets(model)
     where = f"{KEY} {source.path}"
     tied = source.args.tie_word_embeddings
-    if source.kind == "hf":
-        # Read once: each rank reads only the box of each weight it keeps (its shard) and none of the weights
-        # other stages hold; what each read is checked, and every rank raises the first refusal (agree).
-        error = None
-        seen = set()
-        # The shapes whole weights have (a box's tensor is smaller): the files' weights and the expert bias, which
-        # no file holds (iter_hf_as_kiln yields it as zeros, in its box: empty for another stage's layer).
-        args = source.args
-        stored = kiln_shapes(args)
-        stored |= {
-            f"layers.{i}.{EXPERT_BIAS}": (args.moe_num_experts,) for i in range(args.n_layers if args.moe else 0)
-        }
-        boxes = {k: _kept(t) for k, t in targets.items()}
-        boxes |= {k: ((0,) * len(s), (0,) * len(s)) for k, s in elsewhere.items() if k not in targets}
-        for name, part in iter_hf_as_kiln(source.path, source.args, boxes.get):
-            if name == "output.weight" and tied:
-                continue  # a tied model's lm_head copy (some exports write it): HF ties it to the embedding
-            target = targets.get(name)
-            if target is None and name not in elsewhere:
-                raise CheckpointError(f"{where} has weight '{name}', which this model lacks")
-            shape = tuple(target.shape) if target is not None else elsewhere[name]
-            # A box's weight has the shape its file's header declared, checked against config.json's model.
-            got = tuple(part.shape) if boxes.get(name) is None else stored.get(name, tuple(part.shape))
-            if got != shape:
-                raise CheckpointError(f"{where}: '{name}' has shape {got} there but {shape} in this model")
-            try:
-                check_loaded_state({name: part}, source.path, None, 0)
-            except CheckpointError as e:
-                error = error or str(e)
-            if target is not None and error is None:
-                _fill(target, part.to(target.device), boxes[name])
-            seen.add(name)
-        missing = sorted((set(targets) | set(elsewhere)) - seen - ({"output.weight"} if tied else set()))
-        if missing:
-            raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
-        error = agree(error)
-        if error is not None:
-            raise CheckpointError(error)
-    else:
-        from trainer.checkpoint.manager import check_matches
-        from trainer.checkpoint.reader import load
-
-        md = read_metadata(source.path)
-        check_matches(source.path, targets, md, weights_only=True, held_elsewhere=elsewhere)
-        verify(source.path)  # a torchtitan or converted checkpoint (no checksums): one line, unverified
-        load(targets, source.path, md)
-        error = None
+    error = None
+    seen = set()
+    # The shapes whole weights have (a box's tensor is smaller): the files' weights and the expert bias, which
+    # no file holds (iter_hf_as_kiln yields it as zeros, in its box: empty for another stage's layer).
+    args = source.args
+    stored = kiln_shapes(args)
+    stored |= {f"layers.{i}.{EXPERT_BIAS}": (args.moe_num_experts,) for i in range(args.n_layers if args.moe else 0)}
+    boxes = {k: _kept(t) for k, t in targets.items()}
+    boxes |= {k: ((0,) * len(s), (0,) * len(s)) for k, s in elsewhere.items() if k not in targets}
+    for name, part in iter_hf_as_kiln(source.path, source.args, boxes.get):
+        if name == "output.weight" and tied:
+            continue  # a tied model's lm_head copy (some exports write it): HF ties it to the embedding
+        target = targets.get(name)
+        if target is None and name not in elsewhere:
+            raise CheckpointError(f"{where} has weight '{name}', which this model lacks")
+        shape = tuple(target.shape) if target is not None else elsewhere[name]
+        # A box's weight has the shape its file's header declared, checked against config.json's model.
+        got = tuple(part.shape) if boxes.get(name) is None else stored.get(name, tuple(part.shape))
+        if got != shape:
+            raise CheckpointError(f"{where}: '{name}' has shape {got} there but {shape} in this model")
         try:
-            check_loaded_state(targets, source.path, None, 0)  # this rank's shards; all ranks raise the first refusal
+            check_loaded_state({name: part}, source.path, None, 0)
         except CheckpointError as e:
-            error = str(e)
-        error = agree(error)
-        if error is not None:
-            raise CheckpointError(error)
+            error = error or str(e)
+        if target is not None and error is None:
+            _fill(target, part.to(target.device), boxes[name])
+        seen.add(name)
+    missing = sorted((set(targets) | set(elsewhere)) - seen - ({"output.weight"} if tied else set()))
+    if missing:
+        raise CheckpointError(f"{where} has no weight for '{missing[0]}'")
+    error = agree(error)
+    if error is not None:
+        raise CheckpointError(error)
     set_model_state_dict(model, dict(targets))  # a fresh dict[str, Any]: the API's value type is wider
+
+
+def _load_kiln(
+    path: str, model: nn.Module, held_elsewhere: Mapping[str, tuple[int, ...]] | None, download: str | None = None
+) -> None:
+    """The model's weights from kiln step `path`: a local folder, or (with `download`, an empty local folder) an
+    object-storage step of which this rank fetches its planned bytes there."""
+    from trainer.checkpoint.manager import check_matches
+    from trainer.checkpoint.reader import load
+
+    targets = _model_targets(model)
+    if download is None:
+        md = read_metadata(path)
+        check_matches(path, targets, md, weights_only=True, held_elsewhere=dict(held_elsewhere or {}))
+        verify(path)  # a torchtitan or converted checkpoint (no checksums): one line, unverified
+        local = path
+    else:
+        from trainer.checkpoint.objects import check_ranges, download_step, fetch_planned, step_entry
+        from trainer.checkpoint.reader import planned_ranges
+
+        entry = step_entry(path)
+        local = download_step(entry, download)  # its head (.metadata, kiln.json), in download/<step name>
+        md = read_metadata(local, entry.sizes)  # the index against the listed objects' sizes
+        check_matches(path, targets, md, weights_only=True, held_elsewhere=dict(held_elsewhere or {}))
+        # Read once: each file the plans read whole on one rank, which checks its checksum; the other ranks'
+        # ranges of it checked against that copy.
+        whole, ranges = fetch_planned(entry, local, planned_ranges(targets, md))
+        verify(local, only={".metadata", *whole})
+        check_ranges(local, whole, ranges, path)
+    load(targets, local, md)
+    error = None
+    try:
+        check_loaded_state(targets, path, None, 0)  # this rank's shards; all ranks raise the first refusal
+    except CheckpointError as e:
+        error = str(e)
+    error = agree(error)
+    if error is not None:
+        raise CheckpointError(error)
+    set_model_state_dict(model, dict(targets))

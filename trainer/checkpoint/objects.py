@@ -360,6 +360,14 @@ def download_prefix(url: str, local: str, hf: bool) -> None:
         store.download(name, os.path.join(local, name))
 
 
+def step_entry(url: str) -> ObjectEntry:
+    """The kiln step prefix at `url`, of any name (an initial load's source), as an entry download_step and
+    fetch_planned read: the objects right under it, listed once, with their sizes."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    sizes = {n: below[""] for n, below in ObjectStore(url).listing().items() if "" in below}
+    return ObjectEntry(f"{parent}/{name}", 0, False, False, frozenset(sizes), ObjectStore(parent), sizes)
+
+
 def newest_complete(store: ObjectStore) -> ObjectEntry | None:
     """The newest step under the URL that its kiln.json completes (an export wins a tie, as resolve_step_dir)."""
     done = [e for e in scan_objects(store) if not e.tmp and e.has_metadata]
