@@ -4,6 +4,7 @@ once"). Measured as benchmarks/read_once.py measures it: the bytes kiln's read f
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,48 @@ def test_an_hf_moe_loads_into_one_pipeline_stage(tmp_path: Path) -> None:
     assert "layers.1.moe.expert_bias" in elsewhere
     load_initial(source, stage, elsewhere)
     assert kept and all(torch.equal(v, whole.state_dict()[k]) for k, v in stage.state_dict().items())
+
+
+def _initial_load_outcome(url: str, env: dict[str, str]) -> str:
+    """On a rank: checkpoint.initial_load_path `url` into a fresh sharded model; the refusal, or "loaded"."""
+    from kiln_base.errors import CheckpointError
+    from trainer.checkpoint.initial_load import load_initial, open_source
+
+    os.environ.update(env)
+    source = open_source(url)
+    try:
+        load_initial(source, read_once.sharded_model(source.args, seed=1))
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.distributed
+def test_a_damaged_or_missing_file_of_a_url_initial_load_stops_both_ranks_naming_the_object(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """2 FSDP ranks, an initial load from an s3:// step: a flipped bit in rank 0's file (which rank 0 fetches whole
+    and checks) and a file deleted from the bucket (rank 1 downloads it) each stop both ranks with the same line
+    naming the object, never a rank's download folder (the other rank's, in the agreed line, was left before); a
+    step at the top of a bucket loads."""
+    from tests.helpers.distributed import run_distributed
+
+    read_once.measure("s3_initial", 2, 64, 1, str(tmp_path), s3)  # a step saved on 2 ranks, loaded as is
+    folder = f"s3_initial-2-{os.getpid()}"
+    keys = [k for k in s3.keys(folder) if k.startswith("step-1/")]
+    s3.fs.mkdir("top")
+    for key in keys:  # a copy at the top of its own bucket
+        s3.fs.pipe_file(f"top/{key.removeprefix('step-1/')}", s3.read(f"{folder}/{key}"))
+    assert run_distributed(_initial_load_outcome, 2, "s3://top", s3.env) == ["loaded", "loaded"]
+    good = s3.read(f"{folder}/step-1/__0_0.distcp")
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0x01
+    s3.write(f"{folder}/step-1/__0_0.distcp", bytes(data))
+    url = s3.url(folder)
+    flipped = run_distributed(_initial_load_outcome, 2, url, s3.env)
+    assert flipped[0] == flipped[1] and flipped[0].startswith(f"checkpoint file {url}/step-1/__0_0.distcp is damaged")
+    s3.write(f"{folder}/step-1/__0_0.distcp", good)
+    s3.remove(f"{folder}/step-1/__1_0.distcp")
+    missing = run_distributed(_initial_load_outcome, 2, url, s3.env)
+    assert missing[0] == missing[1] and f"{url}/step-1/__1_0.distcp" in missing[0], missing
+    assert "kiln-initial-" not in missing[0] + flipped[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -184,9 +185,12 @@ def load_initial(
                 else:
                     download_prefix(source.path, local, hf=True)
                     _load_hf(dataclasses.replace(source, path=local), model, held_elsewhere)
-            except (CheckpointError, ConfigError) as e:  # name the URL, not the download
-                shown = os.path.join(local, os.path.basename(source.path)) if source.kind == "kiln" else local
-                raise type(e)(str(e).replace(shown, source.path)) from None
+            except (CheckpointError, ConfigError) as e:  # name the URL, not a download
+                # Any rank's download: an agreed refusal names the folder of the rank that found it.
+                copies = re.escape(os.path.dirname(local)) + r"/kiln-initial-[^/\s]+"
+                if source.kind == "kiln":  # the step's files are in download/<step name>
+                    copies += "/" + re.escape(os.path.basename(source.path)) + r"\b"
+                raise type(e)(re.sub(copies, lambda _: source.path, str(e))) from None
     elif source.kind == "kiln":
         _load_kiln(source.path, model, held_elsewhere)
     else:

@@ -223,6 +223,13 @@ class ObjectEntry(Entry):
     files: frozenset[str] = frozenset()
     store: ObjectStore | None = dataclasses.field(default=None, compare=False, repr=False)
     sizes: Mapping[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # file: bytes
+    # True: `store` is the step's own prefix (step_entry: an initial load's source, maybe a bucket's top), so a
+    # file's key is its name; else `store` is the checkpoint folder's and the key is `name/file`.
+    own_store: bool = dataclasses.field(default=False, compare=False, repr=False)
+
+    def key(self, file: str) -> str:
+        """The key of the step's `file` in `store`."""
+        return file if self.own_store else f"{self.name}/{file}"
 
     @property
     def has_metadata(self) -> bool:
@@ -239,7 +246,7 @@ class ObjectEntry(Entry):
         if MARKER not in self.files or self.store is None:
             return None
         try:
-            marker = loads_json(self.store.read(f"{self.name}/{MARKER}", MARKER_LIMIT))
+            marker = loads_json(self.store.read(self.key(MARKER), MARKER_LIMIT))
         except (FileNotFoundError, ValueError):
             return None
         return marker if isinstance(marker, dict) else None
@@ -361,11 +368,11 @@ def download_prefix(url: str, local: str, hf: bool) -> None:
 
 
 def step_entry(url: str) -> ObjectEntry:
-    """The kiln step prefix at `url`, of any name (an initial load's source), as an entry download_step and
-    fetch_planned read: the objects right under it, listed once, with their sizes."""
-    parent, _, name = url.rstrip("/").rpartition("/")
-    sizes = {n: below[""] for n, below in ObjectStore(url).listing().items() if "" in below}
-    return ObjectEntry(f"{parent}/{name}", 0, False, False, frozenset(sizes), ObjectStore(parent), sizes)
+    """The kiln step prefix at `url`, of any name (an initial load's source: also a bucket's top), as an entry
+    download_step and fetch_planned read: the objects right under it, listed once, with their sizes."""
+    store = ObjectStore(url)
+    sizes = {n: below[""] for n, below in store.listing().items() if "" in below}
+    return ObjectEntry(store.url, 0, False, False, frozenset(sizes), store, sizes, own_store=True)
 
 
 def newest_complete(store: ObjectStore) -> ObjectEntry | None:
@@ -383,7 +390,7 @@ def download_step(entry: ObjectEntry, local_root: str, names: Iterable[str] = HE
     os.makedirs(local, exist_ok=True)
     for name in sorted(n for n in set(names) & entry.files if _READ.match(n)):
         if not os.path.exists(os.path.join(local, name)):
-            entry.store.download(f"{entry.name}/{name}", os.path.join(local, name))
+            entry.store.download(entry.key(name), os.path.join(local, name))
     return local
 
 
@@ -403,20 +410,29 @@ def fetch_planned(
         wants = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(wants, {f: sum(n for _, n in r) for f, r in ranges.items()})
     whole, fetched = set(), []
-    for file, spans in sorted(ranges.items()):
-        owner = max(range(len(wants)), key=lambda r: (wants[r].get(file, 0), -r))
-        target = os.path.join(local, file)
-        if owner == rank or len(wants) == 1:
-            download_step(entry, os.path.dirname(local), [file])
-            whole.add(file)
-            continue
-        with open(target, "wb") as out:
-            out.truncate(entry.sizes.get(file, 0))  # sparse: the bytes not fetched read as zeros, and are not read
-            for offset, length in spans:
-                data = entry.store.read_range(f"{entry.name}/{file}", offset, length)
-                out.seek(offset)
-                out.write(data)
-                fetched.append((file, offset, length, zlib.crc32(data)))
+    error = None
+    try:
+        for file, spans in sorted(ranges.items()):
+            owner = max(range(len(wants)), key=lambda r: (wants[r].get(file, 0), -r))
+            target = os.path.join(local, file)
+            if owner == rank or len(wants) == 1:
+                download_step(entry, os.path.dirname(local), [file])
+                whole.add(file)
+                continue
+            with open(target, "wb") as out:
+                out.truncate(entry.sizes.get(file, 0))  # sparse: the bytes not fetched read as zeros, unread
+                for offset, length in spans:
+                    data = entry.store.read_range(entry.key(file), offset, length)
+                    out.seek(offset)
+                    out.write(data)
+                    fetched.append((file, offset, length, zlib.crc32(data)))
+    except CheckpointError as e:
+        error = str(e)
+    # Every rank raises the first rank's failure together: a rank stopped alone would leave the others to be
+    # ended mid-download by the launcher, their downloads left behind.
+    error = agree(error)
+    if error is not None:
+        raise CheckpointError(error)
     return whole, fetched
 
 
