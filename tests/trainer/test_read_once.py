@@ -123,12 +123,25 @@ def test_an_hf_moe_loads_into_one_pipeline_stage(tmp_path: Path) -> None:
     assert kept and all(torch.equal(v, whole.state_dict()[k]) for k, v in stage.state_dict().items())
 
 
-def _initial_load_outcome(url: str, env: dict[str, str]) -> str:
-    """On a rank: checkpoint.initial_load_path `url` into a fresh sharded model; the refusal, or "loaded"."""
+def _initial_load_outcome(url: str, env: dict[str, str], failing_rank: int | None = None) -> str:
+    """On a rank: checkpoint.initial_load_path `url` into a fresh sharded model; the refusal, or "loaded". On
+    `failing_rank` every download of a `.distcp` object fails (as after the store's retries)."""
+    import torch.distributed as dist
+
     from kiln_base.errors import CheckpointError
+    from trainer.checkpoint import objects
     from trainer.checkpoint.initial_load import load_initial, open_source
 
     os.environ.update(env)
+    if dist.get_rank() == failing_rank:
+        real = objects.ObjectStore.download
+
+        def download(store: objects.ObjectStore, name: str, local: str) -> None:
+            if name.endswith(".distcp"):
+                raise CheckpointError(f"object storage: downloading {store.where(name)} failed: injected")
+            real(store, name, local)
+
+        objects.ObjectStore.download = download  # type: ignore[method-assign]
     source = open_source(url)
     try:
         load_initial(source, read_once.sharded_model(source.args, seed=1))
@@ -143,8 +156,8 @@ def test_a_damaged_or_missing_file_of_a_url_initial_load_stops_both_ranks_naming
 ) -> None:
     """2 FSDP ranks, an initial load from an s3:// step: a flipped bit in rank 0's file (which rank 0 fetches whole
     and checks) and a file deleted from the bucket (rank 1 downloads it) each stop both ranks with the same line
-    naming the object, never a rank's download folder (the other rank's, in the agreed line, was left before); a
-    step at the top of a bucket loads."""
+    naming the object, never a rank's download folder (the other rank's, in the agreed line, was left before), and
+    so does a download failing on one rank; a step at the top of a bucket loads."""
     from tests.helpers.distributed import run_distributed
 
     read_once.measure("s3_initial", 2, 64, 1, str(tmp_path), s3)  # a step saved on 2 ranks, loaded as is
@@ -162,6 +175,10 @@ def test_a_damaged_or_missing_file_of_a_url_initial_load_stops_both_ranks_naming
     flipped = run_distributed(_initial_load_outcome, 2, url, s3.env)
     assert flipped[0] == flipped[1] and flipped[0].startswith(f"checkpoint file {url}/step-1/__0_0.distcp is damaged")
     s3.write(f"{folder}/step-1/__0_0.distcp", good)
+    # A download that fails on rank 1 alone (rank 1 fetches __1_0.distcp whole): rank 0 learns it, not left waiting
+    # in the next collective until the launcher ends it (its download left behind)
+    failed = run_distributed(_initial_load_outcome, 2, url, s3.env, 1)
+    assert failed[0] == failed[1] and failed[0].endswith("__1_0.distcp failed: injected"), failed
     s3.remove(f"{folder}/step-1/__1_0.distcp")
     missing = run_distributed(_initial_load_outcome, 2, url, s3.env)
     assert missing[0] == missing[1] and f"{url}/step-1/__1_0.distcp" in missing[0], missing
