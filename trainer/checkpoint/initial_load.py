@@ -250,7 +250,7 @@ def _load_kiln(
 ) -> None:
     """The model's weights from kiln step `path`: a local folder, or (with `download`, an empty local folder) an
     object-storage step of which this rank fetches its planned bytes there."""
-    from trainer.checkpoint.manager import check_matches
+    from trainer.checkpoint.manager import check_matches, fetch_checked
     from trainer.checkpoint.reader import load
 
     targets = _model_targets(model)
@@ -260,18 +260,13 @@ def _load_kiln(
         verify(path)  # a torchtitan or converted checkpoint (no checksums): one line, unverified
         local = path
     else:
-        from trainer.checkpoint.objects import check_ranges, download_step, fetch_planned, step_entry
-        from trainer.checkpoint.reader import planned_ranges
+        from trainer.checkpoint.objects import download_step, step_entry
 
         entry = step_entry(path)
         local = download_step(entry, download)  # its head (.metadata, kiln.json), in download/<step name>
         md = read_metadata(local, entry.sizes)  # the index against the listed objects' sizes
         check_matches(path, targets, md, weights_only=True, held_elsewhere=dict(held_elsewhere or {}))
-        # Read once: each file the plans read whole on one rank, which checks its checksum; the other ranks'
-        # ranges of it checked against that copy.
-        whole, ranges = fetch_planned(entry, local, planned_ranges(targets, md))
-        verify(local, only={".metadata", *whole})
-        check_ranges(local, whole, ranges, path)
+        fetch_checked(entry, local, targets, md)  # read once, as a resume from a URL
     load(targets, local, md)
     error = None
     try:

@@ -203,6 +203,15 @@ def _param_of_optimizer_key(key: str) -> str | None:
     return None
 
 
+def fetch_checked(entry: ObjectEntry, local: str, state_dict: dict[str, Any], md: Metadata) -> None:
+    """Every rank (collectives): read once into `local` (entry's download, its head there) the bytes a load of
+    `state_dict` reads: this rank fetches only those of its own load plan, each file whole by one rank, which checks
+    its checksum and vouches for the ranges the others fetched of it. Damage: one CheckpointError, on every rank."""
+    whole, ranges = fetch_planned(entry, local, planned_ranges(state_dict, md))
+    verify(local, only={METADATA, *whole})
+    check_ranges(local, whole, ranges, entry.path)
+
+
 def check_matches(
     path: str,
     ours: dict[str, Any],
@@ -586,11 +595,7 @@ class CheckpointManager:
         check_matches(path, sd, md, weights_only, self.held_elsewhere)
         with self._local(entry) as local:  # object storage: the downloaded bytes are what is checked and read
             if isinstance(entry, ObjectEntry):
-                # Read once: this rank fetches only the bytes its own load plan reads; each file whole by one rank,
-                # which checks its checksum and vouches for the ranges the others fetched of it.
-                whole, ranges = fetch_planned(entry, local, planned_ranges(sd, md))
-                verify(local, only={METADATA, *whole})  # damage: one CheckpointError, on every rank
-                check_ranges(local, whole, ranges, entry.path)
+                fetch_checked(entry, local, sd, md)
             elif checking is not None:
                 agree_on(checking())  # damage: one CheckpointError, on every rank
             load(sd, local, md)
